@@ -1,0 +1,7 @@
+"""fp8-lightning: FP8 training of GPT-style models with TransformerEngine, as a Lightning run."""
+
+from .config import PRESETS, ConfigError, GPTConfig
+from .model import GPT
+
+__version__ = "0.1.0"
+__all__ = ["GPT", "GPTConfig", "ConfigError", "PRESETS", "__version__"]

@@ -1,0 +1,63 @@
+"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare} ...``.
+
+``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
+overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
+signatures and docstrings jsonargparse turns into options and help.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from .config import ConfigError
+from .data import TokenShardDataModule, prepare
+from .module import GPTLightningModule
+
+log = logging.getLogger("fp8_lightning")
+
+
+class FP8LightningCLI(LightningCLI):
+    """LightningCLI for a ``GPTLightningModule`` on a ``TokenShardDataModule``."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # The data's sequence length is the model's block size: one number, set once.
+        parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
+                              apply_on="instantiate")
+
+
+def _run_function(fn: Callable, argv: list[str]) -> None:
+    from jsonargparse import auto_cli
+
+    auto_cli(fn, args=argv)
+
+
+def prepare_command(argv: list[str]) -> None:
+    _run_function(prepare, argv)
+
+
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "prepare": prepare_command,
+}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if argv and argv[0] in EXTRA_COMMANDS:
+            EXTRA_COMMANDS[argv[0]](argv[1:])
+            return
+        FP8LightningCLI(
+            GPTLightningModule, TokenShardDataModule, args=argv,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"description": "FP8 GPT training on Lightning. Also: "
+                           + ", ".join(f"`{c} --help`" for c in EXTRA_COMMANDS)},
+        )
+    except (ConfigError, FileNotFoundError) as err:
+        # A user error: one clear message, no traceback wall.
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

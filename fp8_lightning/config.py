@@ -1,0 +1,191 @@
+"""Model configuration: one ``GPTConfig`` dataclass and a table of named presets.
+
+``GPTConfig(name="gpt2", n_layer=4)`` starts from the ``gpt2`` preset and overrides one field;
+every field left at ``None`` is taken from the preset. ``GPTConfig.from_name`` is the same thing
+spelled the litgpt way. Validation collects every problem and raises one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Optional
+
+log = logging.getLogger(__name__)
+
+# FP8 GEMMs (cuBLASLt) need both dims of each operand to be multiples of 16.
+FP8_MULTIPLE = 16
+# Pad the vocabulary to a multiple of 128: the LM head is the largest GEMM of a small GPT and
+# 50257 rows makes it slow (and illegal for FP8); 50304 = 393 * 128.
+VOCAB_MULTIPLE = 128
+
+_GPT2 = dict(
+    vocab_size=50257, block_size=1024, norm="layernorm", activation="gelu", position="learned",
+    bias=True, tie_embeddings=True, qk_norm=False, norm_eps=1e-5, rope_theta=10000.0,
+)
+_LLAMA3 = dict(
+    vocab_size=128256, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+    tie_embeddings=False, qk_norm=False, norm_eps=1e-5, rope_theta=500000.0,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768, ffn_hidden=3072),
+    "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024, ffn_hidden=4096),
+    "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280, ffn_hidden=5120),
+    "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600, ffn_hidden=6400),
+    # The 1.3B GPT of the FP8 literature (GPT-3 XL shape, 24 layers, hidden 2048).
+    "gpt-1.3b": dict(_GPT2, n_layer=24, n_head=16, n_embd=2048, ffn_hidden=8192),
+    "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_heads=8, n_embd=4096,
+                      ffn_hidden=14336, block_size=8192),
+    "llama3-small": dict(_LLAMA3, n_layer=12, n_head=16, n_kv_heads=4, n_embd=2048,
+                         ffn_hidden=5504, block_size=2048),
+    # Small enough for a 2-core CPU; every dim still a multiple of 16 so it also runs FP8.
+    "tiny": dict(_GPT2, n_layer=2, n_head=4, n_embd=64, ffn_hidden=256, block_size=128),
+    "tiny-llama": dict(_LLAMA3, vocab_size=50257, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
+                       ffn_hidden=160, block_size=128, qk_norm=True),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message lists every problem with a valid alternative."""
+
+    def __init__(self, problems: list[str], where: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"invalid {where}:\n  - " + "\n  - ".join(problems))
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    """The multiple of ``multiple`` closest to ``value`` (never below ``multiple``)."""
+    return max(multiple, int(round(value / multiple)) * multiple)
+
+
+@dataclass
+class GPTConfig:
+    """A GPT-2 or Llama-style decoder. Fields left ``None`` come from the preset ``name``."""
+
+    name: str = "gpt2"
+    """Preset to start from: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-1.3b, llama3-8b,
+    llama3-small, tiny, tiny-llama."""
+    vocab_size: Optional[int] = None
+    """Tokenizer vocabulary (GPT-2: 50257). The embedding and LM head are padded beyond it."""
+    block_size: Optional[int] = None
+    """Maximum sequence length."""
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (default: n_head, i.e. multi-head)."""
+    n_embd: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    """MLP hidden width (per branch for SwiGLU)."""
+    norm: Optional[Literal["layernorm", "rmsnorm"]] = None
+    activation: Optional[Literal["gelu", "swiglu"]] = None
+    position: Optional[Literal["learned", "rope"]] = None
+    rope_theta: Optional[float] = None
+    qk_norm: Optional[bool] = None
+    """RMSNorm on queries and keys per head (stabilises low-precision attention logits)."""
+    bias: Optional[bool] = None
+    tie_embeddings: Optional[bool] = None
+    norm_eps: Optional[float] = None
+    padded_vocab_size: Optional[int] = None
+    """Derived: vocab_size rounded up to a multiple of 128 (do not set by hand)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in PRESETS:
+            raise ConfigError([f"name={self.name!r} is not a preset; valid: {', '.join(PRESETS)}"])
+        preset = PRESETS[self.name]
+        for f in fields(self):
+            if getattr(self, f.name) is None and f.name in preset:
+                setattr(self, f.name, preset[f.name])
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_head
+        self.validate()
+        padded = -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if self.padded_vocab_size is not None and self.padded_vocab_size != padded:
+            raise ConfigError([f"padded_vocab_size={self.padded_vocab_size} is derived from "
+                               f"vocab_size={self.vocab_size}; valid: {padded} (or leave unset)"])
+        if self.padded_vocab_size is None and padded != self.vocab_size:
+            log.info("padding vocab_size %d -> %d (multiple of %d) for FP8/GEMM-friendly shapes",
+                     self.vocab_size, padded, VOCAB_MULTIPLE)
+        self.padded_vocab_size = padded
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
+        return cls(name=name, **overrides)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.n_head + 2 * self.n_kv_heads) * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        """Collect every problem and raise one ``ConfigError``."""
+        problems: list[str] = []
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_heads", "n_embd",
+                    "ffn_hidden"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{key}={value!r} must be a positive integer")
+        choices = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
+                   "position": ("learned", "rope")}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                problems.append(f"{key}={getattr(self, key)!r}; valid: {', '.join(valid)}")
+        if not (isinstance(self.norm_eps, float) and self.norm_eps > 0):
+            problems.append(f"norm_eps={self.norm_eps!r} must be a positive float")
+        if problems:  # the dimension checks below need sane integers
+            raise ConfigError(problems, f"GPTConfig(name={self.name!r})")
+
+        if self.n_embd % self.n_head:
+            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
+            best = min(divisors, key=lambda h: abs(h - self.n_head))
+            problems.append(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
+                            f"nearest valid n_head: {best}")
+        if self.n_head % self.n_kv_heads:
+            divisors = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
+            best = min(divisors, key=lambda h: abs(h - self.n_kv_heads))
+            problems.append(f"n_kv_heads={self.n_kv_heads} does not divide n_head={self.n_head}; "
+                            f"nearest valid n_kv_heads: {best}")
+        for key in ("n_embd", "ffn_hidden"):
+            value = getattr(self, key)
+            if value % FP8_MULTIPLE:
+                problems.append(f"{key}={value} is not a multiple of {FP8_MULTIPLE} (FP8 GEMMs "
+                                f"need it); nearest valid: {nearest_multiple(value, FP8_MULTIPLE)}")
+        if not problems:
+            if self.head_dim % FP8_MULTIPLE:
+                problems.append(
+                    f"head dim n_embd/n_head={self.head_dim} is not a multiple of {FP8_MULTIPLE}; "
+                    f"nearest valid n_head: {self._nearest_head_count()}")
+            elif self.qkv_width % FP8_MULTIPLE:
+                problems.append(f"QKV width {self.qkv_width} is not a multiple of {FP8_MULTIPLE}")
+        if self.position == "rope" and self.n_embd % self.n_head == 0 and self.head_dim % 2:
+            problems.append(f"RoPE needs an even head dim, got {self.head_dim}")
+        if problems:
+            raise ConfigError(problems, f"GPTConfig(name={self.name!r})")
+
+    def _nearest_head_count(self) -> int:
+        ok = [h for h in range(1, self.n_embd // FP8_MULTIPLE + 1)
+              if self.n_embd % h == 0 and (self.n_embd // h) % FP8_MULTIPLE == 0]
+        return min(ok, key=lambda h: abs(h - self.n_head)) if ok else 1
+
+
+def check_micro_batch(batch_size: int, seq_len: int, field: str = "data.batch_size") -> None:
+    """FP8 GEMMs see (batch * seq) rows: that product must be a multiple of 16."""
+    tokens = batch_size * seq_len
+    if tokens % FP8_MULTIPLE:
+        step = FP8_MULTIPLE // _gcd(seq_len, FP8_MULTIPLE)
+        raise ConfigError([
+            f"{field}={batch_size} x seq_len={seq_len} = {tokens} tokens per micro-batch is not a "
+            f"multiple of {FP8_MULTIPLE} (FP8 GEMMs need it); nearest valid {field}: "
+            f"{nearest_multiple(batch_size, step)}"], "micro-batch")
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

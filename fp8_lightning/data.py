@@ -1,0 +1,265 @@
+"""Data: ``prepare`` tokenizes text into litdata shards; ``TokenShardDataModule`` streams them.
+
+A prepared dataset is a directory (local, or any ``input_dir`` litdata accepts such as s3://)::
+
+    DIR/train/   litdata chunks of token ids (documents joined by end-of-text)
+    DIR/val/     the last ``val_fraction`` of every input file's tokens
+    DIR/meta.json  tokenizer, vocabulary size, counts
+
+litdata is imported lazily: importing ``fp8_lightning`` does not start its machinery.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from .config import ConfigError, check_micro_batch
+from .tokenizer import ASSETS, get_tokenizer
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_CORPUS = ASSETS / "tinyshakespeare.txt"
+EMBEDDED_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+META = "meta.json"
+# Chunks hold this many training blocks; each chunk is a multiple of the block so that no
+# block straddles two chunks (litdata's TokensLoader drops a chunk's partial tail).
+BLOCKS_PER_CHUNK = 256
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FP8L_CACHE", Path.home() / ".cache" / "fp8_lightning"))
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Paths and globs -> sorted unique files; one error listing everything that matched nothing."""
+    files, missing = [], []
+    for pattern in inputs:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        (files.extend(matches) if matches else missing.append(pattern))
+    bad_ext = [f for f in files if not f.endswith((".txt", ".jsonl"))]
+    problems = [f"inputs: {p!r} matches no file" for p in missing]
+    problems += [f"inputs: {f!r} is neither .txt nor .jsonl" for f in bad_ext]
+    if problems:
+        raise ConfigError(problems, "prepare inputs")
+    return sorted(dict.fromkeys(files))
+
+
+def iter_documents(path: str, text_field: str) -> Iterator[str]:
+    """A .txt file is one document; a .jsonl file has one document per line in ``text_field``."""
+    if path.endswith(".txt"):
+        yield Path(path).read_text(encoding="utf-8")
+        return
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise ValueError(f"{path}:{lineno}: no field {text_field!r} "
+                                 f"(set --text_field to the field holding the text)")
+            yield str(record[text_field])
+
+
+def _file_tokens(path: str, tokenizer: str, text_field: str) -> list[int]:
+    tok = get_tokenizer(tokenizer)
+    ids: list[int] = []
+    for doc in iter_documents(path, text_field):
+        ids.extend(tok.encode(doc))
+        ids.append(tok.eot_id)  # end-of-text after every document
+    return ids
+
+
+def _tokenize_split(path: str, *, split: str, tokenizer: str, text_field: str,
+                    val_fraction: float) -> Iterator[torch.Tensor]:
+    """litdata ``optimize`` worker: yields this file's train or val tokens (module-level: spawn)."""
+    ids = _file_tokens(path, tokenizer, text_field)
+    cut = len(ids) - int(len(ids) * val_fraction)
+    part = ids[:cut] if split == "train" else ids[cut:]
+    if part:
+        yield torch.tensor(part, dtype=torch.int32)
+
+
+def _split_tokens(split_dir: Path) -> tuple[int, int]:
+    """(tokens, chunks) recorded in a litdata index.json."""
+    index = json.loads((split_dir / "index.json").read_text())
+    return sum(c["dim"] for c in index["chunks"]), len(index["chunks"])
+
+
+def prepare(inputs: list[str], output_dir: str, tokenizer: str = "gpt2", text_field: str = "text",
+            val_fraction: float = 0.05, seq_len: int = 1024, num_workers: Optional[int] = None
+            ) -> dict[str, Any]:
+    """Tokenize ``.txt`` / ``.jsonl`` files into litdata shards for ``TokenShardDataModule``.
+
+    Args:
+        inputs: files or globs (``data/*.jsonl``); a .txt file is one document, a .jsonl file holds
+            one document per line in ``text_field``.
+        output_dir: where ``train/``, ``val/`` and ``meta.json`` are written (replaced if present).
+        tokenizer: ``gpt2`` (offline GPT-2 BPE) or the path of a Hugging Face ``tokenizer.json``.
+        text_field: the JSON field holding the text in ``.jsonl`` inputs.
+        val_fraction: the share of every file's tokens (its end) kept for validation.
+        seq_len: the training sequence length; chunks are a multiple of ``seq_len + 1`` tokens.
+        num_workers: tokenizer processes (default: one per file, at most the CPU count).
+    """
+    from litdata import optimize
+    from litdata.streaming.item_loader import TokensLoader
+
+    problems = []
+    if not 0.0 < val_fraction < 1.0:
+        problems.append(f"val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
+    if seq_len <= 0:
+        problems.append(f"seq_len={seq_len} must be a positive integer")
+    if problems:
+        raise ConfigError(problems, "prepare arguments")
+    files = expand_inputs(inputs)
+    tok = get_tokenizer(tokenizer)
+    out = Path(output_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    workers = num_workers or max(1, min(len(files), os.cpu_count() or 1))
+    documents = sum(1 for f in files for _ in iter_documents(f, text_field))
+    for split in ("train", "val"):
+        rank_zero_info(f"prepare: tokenizing {len(files)} file(s) -> {out / split}")
+        optimize(
+            fn=partial(_tokenize_split, split=split, tokenizer=tokenizer, text_field=text_field,
+                       val_fraction=val_fraction),
+            inputs=files, output_dir=str(out / split), chunk_size=(seq_len + 1) * BLOCKS_PER_CHUNK,
+            item_loader=TokensLoader(), num_workers=workers, mode="overwrite",
+            start_method="spawn" if workers > 1 else None,
+        )
+    train_tokens, train_chunks = _split_tokens(out / "train")
+    val_tokens, val_chunks = _split_tokens(out / "val")
+    meta = dict(tokenizer=tok.name if tokenizer == "gpt2" else str(Path(tokenizer).resolve()),
+                vocab_size=tok.vocab_size, eot_id=tok.eot_id, seq_len=seq_len, files=files,
+                documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
+                shards=train_chunks + val_chunks)
+    (out / META).write_text(json.dumps(meta, indent=2))
+    rank_zero_info(f"prepare: {documents:,} documents, {train_tokens:,} train + {val_tokens:,} val "
+                   f"tokens, {train_chunks + val_chunks} shards -> {out}")
+    if val_tokens < seq_len + 1:
+        raise ConfigError([f"val_fraction={val_fraction}: the validation split has {val_tokens} "
+                           f"tokens, fewer than one block of seq_len+1={seq_len + 1}; raise "
+                           "val_fraction or add data"], "prepare")
+    return meta
+
+
+class TokenShardDataModule(L.LightningDataModule):
+    """Streams token blocks of ``seq_len + 1`` from litdata shards made by ``prepare``.
+
+    Args:
+        data_dir: a prepared dataset (local dir or any litdata input_dir such as s3://bucket/ds).
+            Default: the tinyshakespeare corpus that ships with the package, prepared on first use
+            into ``cache_dir`` (no network).
+        seq_len: tokens per training sequence (the CLI sets it to the model's block_size).
+        batch_size: sequences per micro-batch on each device.
+        num_workers: loader processes per device.
+        tokenizer: tokenizer used to prepare the embedded default (``gpt2`` or a tokenizer.json).
+        shuffle: shuffle training blocks (deterministically, from ``seed``).
+        seed: the shuffle seed.
+        cache_dir: where the embedded default is prepared (default ``~/.cache/fp8_lightning`` or
+            ``$FP8L_CACHE``).
+    """
+
+    def __init__(self, data_dir: Optional[str] = None, seq_len: int = 1024, batch_size: int = 8,
+                 num_workers: int = 2, tokenizer: str = "gpt2", shuffle: bool = True,
+                 seed: int = 42, cache_dir: Optional[str] = None) -> None:
+        super().__init__()
+        problems = []
+        for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"data.{key}={value!r} must be a positive integer")
+        if num_workers < 0:
+            problems.append(f"data.num_workers={num_workers} must be >= 0")
+        if problems:
+            raise ConfigError(problems, "data")
+        check_micro_batch(batch_size, seq_len)
+        self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
+        self.num_workers, self.tokenizer, self.shuffle, self.seed = num_workers, tokenizer, shuffle, seed
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.meta: dict[str, Any] = {}
+        self.train_dataset = self.val_dataset = None
+
+    @property
+    def dataset_dir(self) -> str:
+        if self.data_dir:
+            return self.data_dir.rstrip("/")
+        tok = "gpt2" if self.tokenizer == "gpt2" else Path(self.tokenizer).stem
+        return str(self.cache_dir / f"tinyshakespeare-{tok}-s{self.seq_len}")
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self.dataset_dir
+
+    def prepare_data(self) -> None:
+        """Prepare the embedded corpus once (rank 0); a user dataset is only checked."""
+        if self.data_dir:
+            return
+        if (Path(self.dataset_dir) / META).is_file():
+            return
+        rank_zero_info(f"data: preparing the embedded tinyshakespeare corpus -> {self.dataset_dir}")
+        prepare([str(EMBEDDED_CORPUS)], self.dataset_dir, tokenizer=self.tokenizer,
+                seq_len=self.seq_len, val_fraction=0.1, num_workers=1)
+
+    def _check_local(self) -> None:
+        root = Path(self.dataset_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"data.data_dir={self.dataset_dir!r} does not exist; make one "
+                                    "with: python -m fp8_lightning prepare --inputs FILES "
+                                    "--output_dir DIR")
+        missing = [s for s in ("train", "val") if not (root / s / "index.json").is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"data.data_dir={self.dataset_dir!r} is not a prepared dataset: no "
+                f"{' or '.join(m + '/index.json' for m in missing)} (run `python -m fp8_lightning "
+                "prepare` on your text first)")
+        if (root / META).is_file():
+            self.meta = json.loads((root / META).read_text())
+
+    def setup(self, stage: str) -> None:
+        # Datasets are built here, not in __init__: litdata reads the distributed environment
+        # (rank, world size) when a StreamingDataset is constructed.
+        from litdata import StreamingDataset
+        from litdata.streaming.item_loader import TokensLoader
+
+        if not self.is_remote:
+            self._check_local()
+        block = self.seq_len + 1
+        make = lambda split, shuffle: StreamingDataset(  # noqa: E731
+            input_dir=f"{self.dataset_dir}/{split}", item_loader=TokensLoader(block_size=block),
+            shuffle=shuffle, drop_last=True, seed=self.seed)
+        self.train_dataset = make("train", self.shuffle)
+        self.val_dataset = make("val", False)
+        for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
+            if len(ds) == 0:
+                raise ConfigError([f"data.data_dir={self.dataset_dir!r}: the {split} split has no "
+                                   f"block of seq_len+1={block} tokens"], "data")
+        rank_zero_info(f"data: {self.dataset_dir}: {len(self.train_dataset):,} train / "
+                       f"{len(self.val_dataset):,} val blocks of {block} tokens")
+
+    def _loader(self, dataset: Any) -> Any:
+        from litdata import StreamingDataLoader
+
+        return StreamingDataLoader(dataset, batch_size=self.batch_size,
+                                   num_workers=self.num_workers, drop_last=True,
+                                   pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> Any:
+        return self._loader(self.train_dataset)
+
+    def val_dataloader(self) -> Any:
+        return self._loader(self.val_dataset)
+
+    def test_dataloader(self) -> Any:
+        return self._loader(self.val_dataset)

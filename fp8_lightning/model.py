@@ -1,0 +1,166 @@
+"""The GPT model: GPT-2 and Llama-style decoders from one definition, on TE or plain PyTorch.
+
+Each block is two fused modules, exactly as TransformerEngine wants them:
+``qkv`` (norm + QKV projection), attention, ``proj`` (output projection) and ``mlp``
+(norm + fc1 + activation + fc2). ``LayerFactory`` decides whether they are TE modules or their
+PyTorch twins; nothing below knows or cares which.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+from .layers import LayerFactory, normal_init, residual_std
+
+# Parameter names (shared by both backends) of the residual-stream output projections, which
+# GPT-2 initialises with std 0.02 / sqrt(2 * n_layer).
+RESIDUAL_PROJECTIONS = ("proj.weight", "mlp.fc2_weight")
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, "rotate half" convention; x is (B, T, nh, hs), cos/sin (T, hs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layers: LayerFactory) -> None:
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_heads, self.head_dim = c.n_head, c.n_kv_heads, c.head_dim
+        init, out_init = normal_init(0.02), normal_init(residual_std(c.n_layer))
+        self.qkv = layers.norm_linear(c.n_embd, c.qkv_width, bias=c.bias, norm=c.norm,
+                                      eps=c.norm_eps, init_method=init)
+        if c.qk_norm:
+            self.q_norm = layers.norm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
+            self.k_norm = layers.norm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
+        self.core = layers.core_attention(c.n_head, c.n_kv_heads, c.head_dim)
+        self.proj = layers.linear(c.n_embd, c.n_embd, bias=c.bias, init_method=out_init)
+        self.mlp = layers.norm_mlp(c.n_embd, c.ffn_hidden, bias=c.bias, norm=c.norm,
+                                   eps=c.norm_eps, activation=c.activation, init_method=init,
+                                   output_layer_init_method=out_init)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, nkv, hs = self.n_head, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        q = q.view(B, T, nh, hs)  # (B, T, nh, hs)
+        k = k.view(B, T, nkv, hs)  # (B, T, nkv, hs)
+        v = v.view(B, T, nkv, hs)  # (B, T, nkv, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = self.core(q.contiguous(), k.contiguous(), v.contiguous())  # (B, T, C)
+        x = x + self.proj(y)
+        return x + self.mlp(x)
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer.
+
+    Args:
+        config: the model shape (see :class:`GPTConfig`).
+        backend: ``"torch"`` (plain PyTorch, runs anywhere) or ``"te"`` (TransformerEngine).
+        attention: ``"sdpa"`` or ``"te"`` (``te.DotProductAttention``, TE backend only).
+    """
+
+    def __init__(self, config: GPTConfig, backend: str = "torch", attention: str = "sdpa") -> None:
+        super().__init__()
+        self.config, self.backend = config, backend
+        c = config
+        layers = LayerFactory(backend, attention)
+        device = layers.device
+        self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
+        if c.position == "learned":
+            self.wpe = nn.Embedding(c.block_size, c.n_embd, device=device)
+        else:
+            cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        self.blocks = nn.ModuleList(Block(c, layers) for _ in range(c.n_layer))
+        self.norm_f = layers.norm(c.n_embd, kind=c.norm, eps=c.norm_eps)
+        self.lm_head = layers.linear(c.n_embd, c.padded_vocab_size, bias=False,
+                                     init_method=normal_init(0.02))
+        if c.tie_embeddings:
+            self.wte.weight = self.lm_head.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation by parameter name, identical for both backends."""
+        out_std = residual_std(self.config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith(RESIDUAL_PROJECTIONS):
+                nn.init.normal_(p, mean=0.0, std=out_std)
+            elif p.ndim >= 2:  # embeddings and the other projections
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # norm weights
+                nn.init.ones_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size) over the *real* vocabulary.
+
+        The padded rows of the LM head are sliced off here, so padding never takes
+        probability mass in the loss or in sampling.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.position == "learned":
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = (self.rope_cos[:T], self.rope_sin[:T])
+        for block in self.blocks:
+            x = block(x, rope)
+        x = self.norm_f(x)
+        logits = self.lm_head(x)  # (B, T, padded_vocab_size)
+        return logits[..., : self.config.vocab_size]
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters (tied weights once); ``non_embedding`` leaves out wte/wpe as in GPT-2."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+            if hasattr(self, "wpe"):
+                n -= self.wpe.weight.numel()
+            if self.config.tie_embeddings:  # the tied LM head is a real GEMM: count it once
+                n += self.lm_head.weight.numel()
+        return n
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuing ``idx`` (B, T); temperature 0 is greedy."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits = self(context)[:, -1, :].float()  # (B, vocab_size)
+            if temperature <= 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx

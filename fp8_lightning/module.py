@@ -1,0 +1,196 @@
+"""``GPTLightningModule``: the training recipe around :class:`~fp8_lightning.model.GPT`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from .config import ConfigError, GPTConfig
+from .model import GPT
+from .te_support import te_status
+
+
+def resolve_backend(backend: str) -> tuple[str, str]:
+    """``auto`` -> ``te`` when TransformerEngine can run here, else ``torch``; with the reason."""
+    if backend not in ("auto", "te", "torch"):
+        raise ConfigError([f"model.backend={backend!r}; valid: auto, te, torch"], "model")
+    ok, reason = te_status()
+    if backend == "auto":
+        return ("te", reason) if ok else ("torch", reason)
+    if backend == "te" and not ok:
+        raise ConfigError([f"model.backend='te' but {reason}; use backend: auto (falls back to "
+                           "the PyTorch backend) or torch"], "model")
+    return backend, reason
+
+
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+    """Linear warm-up to ``max_lr``, then cosine decay to ``min_lr`` at ``decay_steps``."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+class GPTLightningModule(L.LightningModule):
+    """Trains a GPT with next-token cross-entropy.
+
+    Args:
+        config: the model (a preset ``name`` plus any field overrides).
+        backend: ``auto`` (TransformerEngine when it can run, else PyTorch), ``te`` or ``torch``.
+        attention: ``sdpa`` (``F.scaled_dot_product_attention``) or ``te``
+            (``te.DotProductAttention``, TE backend only).
+        learning_rate: peak learning rate after warm-up.
+        min_lr: learning rate at the end of the cosine decay.
+        warmup_steps: linear warm-up steps.
+        lr_decay_steps: length of the schedule; default ``trainer.max_steps`` (never the Trainer's
+            estimated stepping batches, which breaks streaming-loader resume: Lightning #20550).
+        weight_decay: AdamW weight decay for matrices (not norms, biases or embeddings).
+        betas: AdamW betas.
+    """
+
+    def __init__(self, config: Optional[GPTConfig] = None,
+                 backend: Literal["auto", "te", "torch"] = "auto",
+                 attention: Literal["sdpa", "te"] = "sdpa", learning_rate: float = 6e-4,
+                 min_lr: float = 6e-5, warmup_steps: int = 100,
+                 lr_decay_steps: Optional[int] = None, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95)) -> None:
+        super().__init__()
+        if config is None:
+            config = GPTConfig()
+        elif isinstance(config, dict):  # from a checkpoint's hyperparameters
+            config = GPTConfig(**config)
+        self.config = config
+        problems = []
+        if not learning_rate > 0:
+            problems.append(f"model.learning_rate={learning_rate} must be > 0")
+        if not 0 <= min_lr <= learning_rate:
+            problems.append(f"model.min_lr={min_lr} must be between 0 and learning_rate")
+        if warmup_steps < 0:
+            problems.append(f"model.warmup_steps={warmup_steps} must be >= 0")
+        if problems:
+            raise ConfigError(problems, "model")
+        self.backend_name, self.backend_reason = resolve_backend(backend)
+        self.attention = attention
+        # Plain types only: checkpoints stay loadable with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = config.to_dict()
+        self.model: Optional[GPT] = None
+        self.tokens_seen = 0
+        self.val_loss = MeanMetric()
+
+    @override
+    def configure_model(self) -> None:
+        # Built here so that the Trainer's strategy decides device and sharding (TE allocates
+        # on CUDA; FSDP can build on the meta device).
+        if self.model is not None:
+            return
+        rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
+                       f"({self.backend_reason}), attention={self.attention}")
+        self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
+
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        meta = getattr(datamodule, "meta", None) or {}
+        problems = []
+        if meta.get("vocab_size", 0) > self.config.vocab_size:
+            problems.append(f"model.config.vocab_size={self.config.vocab_size} is smaller than the "
+                            f"dataset's tokenizer ({meta.get('tokenizer')}: {meta['vocab_size']}); "
+                            f"set model.config.vocab_size={meta['vocab_size']}")
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len > self.config.block_size:
+            problems.append(f"data.seq_len={seq_len} exceeds model.config.block_size="
+                            f"{self.config.block_size}")
+        if problems:
+            raise ConfigError(problems, "model/data")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        batch = batch.long()
+        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
+        logits = self.model(x)  # (B, T, vocab_size)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # fp32 over real vocab
+        return loss, y.numel()
+
+    @override
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss, tokens = self._loss(batch)
+        self.tokens_seen += tokens * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss, tokens = self._loss(batch)
+        self.val_loss.update(loss, weight=tokens)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+
+    @override
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+
+    @override
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(batch.long()[:, :-1]).argmax(dim=-1)
+
+    def decay_steps(self) -> int:
+        steps = self.hparams.lr_decay_steps or self.trainer.max_steps
+        if steps is None or steps <= 0:
+            raise ConfigError(["trainer.max_steps is not set: the learning-rate schedule needs "
+                               "trainer.max_steps (or model.lr_decay_steps)"], "trainer")
+        return steps
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        embeddings = {id(self.model.wte.weight)}
+        if hasattr(self.model, "wpe"):
+            embeddings.add(id(self.model.wpe.weight))
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+        fused = all(p.is_cuda for p in decay + no_decay)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas), fused=fused)
+        decay_steps = self.decay_steps()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_at(step, max_lr=hp.learning_rate, min_lr=hp.min_lr,
+                                          warmup_steps=hp.warmup_steps,
+                                          decay_steps=decay_steps) / hp.learning_rate)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["fp8_lightning"] = {"backend": self.backend_name, "config": self.config.to_dict()}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

@@ -1,0 +1,98 @@
+"""Tokenizers: GPT-2 BPE (tiktoken, built offline from files in the package) or any Hugging Face
+``tokenizer.json`` (the ``tokenizers`` package). No network, ever."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+ASSETS = Path(__file__).parent / "assets"
+# sha256 of the original GPT-2 BPE files (the values tiktoken's own gpt2 loader checks).
+GPT2_FILES = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+EOT_TEXT = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE via tiktoken, from the BPE files shipped in ``fp8_lightning/assets/gpt2``."""
+
+    name = "gpt2"
+
+    def __init__(self) -> None:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(ASSETS / "gpt2" / "vocab.bpe"),
+            encoder_json_file=str(ASSETS / "gpt2" / "encoder.json"),
+            vocab_bpe_hash=GPT2_FILES["vocab.bpe"],
+            encoder_json_hash=GPT2_FILES["encoder.json"],
+        )
+        self._enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                      special_tokens={EOT_TEXT: 50256}, explicit_n_vocab=50257)
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+class HFTokenizer:
+    """Any Hugging Face ``tokenizer.json`` (Llama 3, Mistral, ...) through ``tokenizers``."""
+
+    EOT_CANDIDATES = (EOT_TEXT, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self.name = str(path)
+        self._tok = _Tok.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = [self._tok.token_to_id(t) for t in self.EOT_CANDIDATES]
+        found = [i for i in ids if i is not None]
+        if not found:
+            raise ValueError(f"tokenizer {path}: none of the end-of-text tokens "
+                             f"{', '.join(self.EOT_CANDIDATES)} is in its vocabulary")
+        self.eot_id = found[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(name: str = "gpt2") -> Tokenizer:
+    """``"gpt2"`` or the path of a Hugging Face ``tokenizer.json``."""
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.suffix == ".json" and path.is_file():
+        return HFTokenizer(str(path))
+    raise ValueError(f"tokenizer={name!r}: valid values are 'gpt2' or the path of an existing "
+                     "Hugging Face tokenizer.json (or a directory holding one)")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
