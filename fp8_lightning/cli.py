@@ -46,7 +46,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if argv and argv[0] in EXTRA_COMMANDS:
             EXTRA_COMMANDS[argv[0]](argv[1:])

@@ -186,10 +186,24 @@ class GPTLightningModule(L.LightningModule):
                                           decay_steps=decay_steps) / hp.learning_rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def precision_tag(self) -> str:
+        """``FP8 delayed`` or ``BF16 (fallback: reason)`` under FP8Precision, else the Trainer's."""
+        plugin = self.trainer.precision_plugin
+        return getattr(plugin, "tag", None) or str(self.trainer.precision)
+
+    def effective_precision(self) -> str:
+        plugin = self.trainer.precision_plugin
+        return getattr(plugin, "effective_precision", None) or str(self.trainer.precision)
+
+    @override
+    def on_train_start(self) -> None:
+        rank_zero_info(f"precision: {self.precision_tag()}")
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
-        checkpoint["fp8_lightning"] = {"backend": self.backend_name, "config": self.config.to_dict()}
+        checkpoint["fp8_lightning"] = {"backend": self.backend_name, "config": self.config.to_dict(),
+                                       "precision": self.effective_precision()}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -22,8 +22,8 @@ MIN_FP8_CAPABILITY = (8, 9)
 def te_status() -> tuple[bool, str]:
     """(importable, reason) for ``transformer_engine.pytorch``."""
     if not TE_REQUIREMENT:
-        return False, f"TransformerEngine is not installed ({TE_REQUIREMENT.message.strip()}); " \
-                      'install it on a GPU machine with: pip install "fp8-lightning[te]"'
+        return False, ("TransformerEngine is not installed (on a GPU machine: "
+                       'pip install "fp8-lightning[te]")')
     if not torch.cuda.is_available():
         return False, "no CUDA GPU is visible (TransformerEngine needs one)"
     try:
