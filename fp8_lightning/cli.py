@@ -32,7 +32,7 @@ class FP8LightningCLI(LightningCLI):
 def _run_function(fn: Callable, argv: list[str]) -> None:
     from jsonargparse import auto_cli
 
-    auto_cli(fn, args=argv)
+    auto_cli(fn, args=argv, as_positional=False, prog=f"python -m fp8_lightning {fn.__name__}")
 
 
 def prepare_command(argv: list[str]) -> None:
@@ -44,7 +44,22 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+USER_ERRORS = (ConfigError, FileNotFoundError)
+
+
+def user_error(err: BaseException) -> Optional[BaseException]:
+    """The user error (bad config, missing file) behind ``err``, if any (jsonargparse wraps them)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, USER_ERRORS):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    args = None if argv is None else list(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -52,12 +67,15 @@ def main(argv: Optional[list[str]] = None) -> None:
             EXTRA_COMMANDS[argv[0]](argv[1:])
             return
         FP8LightningCLI(
-            GPTLightningModule, TokenShardDataModule, args=argv,
+            GPTLightningModule, TokenShardDataModule, args=args,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"description": "FP8 GPT training on Lightning. Also: "
                            + ", ".join(f"`{c} --help`" for c in EXTRA_COMMANDS)},
         )
-    except (ConfigError, FileNotFoundError) as err:
+    except Exception as err:
+        found = user_error(err)
+        if found is None:
+            raise
         # A user error: one clear message, no traceback wall.
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {found}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -17,7 +17,7 @@ import logging
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import lightning as L
 import torch
@@ -99,13 +99,13 @@ def _split_tokens(split_dir: Path) -> tuple[int, int]:
     return sum(c["dim"] for c in index["chunks"]), len(index["chunks"])
 
 
-def prepare(inputs: list[str], output_dir: str, tokenizer: str = "gpt2", text_field: str = "text",
+def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gpt2", text_field: str = "text",
             val_fraction: float = 0.05, seq_len: int = 1024, num_workers: Optional[int] = None
             ) -> dict[str, Any]:
     """Tokenize ``.txt`` / ``.jsonl`` files into litdata shards for ``TokenShardDataModule``.
 
     Args:
-        inputs: files or globs (``data/*.jsonl``); a .txt file is one document, a .jsonl file holds
+        inputs: a file, a glob (``'data/*.jsonl'``) or a list of them; a .txt file is one document, a .jsonl file holds
             one document per line in ``text_field``.
         output_dir: where ``train/``, ``val/`` and ``meta.json`` are written (replaced if present).
         tokenizer: ``gpt2`` (offline GPT-2 BPE) or the path of a Hugging Face ``tokenizer.json``.
@@ -124,7 +124,7 @@ def prepare(inputs: list[str], output_dir: str, tokenizer: str = "gpt2", text_fi
         problems.append(f"seq_len={seq_len} must be a positive integer")
     if problems:
         raise ConfigError(problems, "prepare arguments")
-    files = expand_inputs(inputs)
+    files = expand_inputs([inputs] if isinstance(inputs, str) else list(inputs))
     tok = get_tokenizer(tokenizer)
     out = Path(output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)

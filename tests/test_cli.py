@@ -1,0 +1,93 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = Path(run_dir).rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "40",
+                     "--trainer.val_check_interval", "20", "--trainer.log_every_n_steps", "5",
+                     "--trainer.default_root_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_quickstart_fit_writes_checkpoint_and_tensorboard(quickstart_run):
+    out, result = quickstart_run
+    (ckpt,) = out.rglob("last.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=True)  # plain types only: safe to load
+    assert checkpoint["global_step"] == 40
+    assert checkpoint["fp8_lightning"]["precision"] == "bf16"  # no GPU/TE here: BF16, and says so
+    assert checkpoint["tokens_seen"] == 40 * 8 * 128
+    assert "FP8 is not available:" in result.stderr
+    tags = scalars(out)
+    assert {"train/loss", "val/loss", "val/ppl"} <= set(tags)
+
+
+def test_quickstart_loss_falls(quickstart_run):
+    out, _ = quickstart_run
+    loss = scalars(out)["train/loss"]
+    assert len(loss) >= 6
+    assert loss[-1] < loss[0] - 1.5, loss  # from ~10.8 (uniform) clearly down
+
+
+def test_print_config_and_dotted_overrides():
+    result = run_cli("fit", "--config", "configs/gpt2_fp8.yaml", "--model.config.n_layer", "3",
+                     "--print_config")
+    assert result.returncode == 0, result.stderr
+    assert "n_layer: 3" in result.stdout and "fp8_lightning.FP8Precision" in result.stdout
+    assert "amax_history_len: 1024" in result.stdout
+
+
+def test_user_errors_are_one_message_without_traceback():
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--model.config.n_embd", "100",
+                     "--trainer.max_steps", "1")
+    assert result.returncode != 0
+    assert "n_embd=100 is not a multiple of 16" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_recipe_key_is_rejected(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text((ROOT / "configs/gpt2_fp8.yaml").read_text().replace(
+        "amax_compute_algo: max", "amax_compute_algo: max\n        interval: 1"))
+    result = run_cli("fit", "--config", str(cfg), "--print_config")
+    assert result.returncode != 0 and "interval" in result.stderr
+
+
+def test_prepare_command(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text("A small corpus for the prepare command.\n" * 400)
+    result = run_cli("prepare", "--inputs", str(tmp_path / "*.txt"), "--output_dir", str(tmp_path / "ds"),
+                     "--seq_len", "63", "--val_fraction", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "prepare: 1 documents" in result.stderr + result.stdout
+    assert (tmp_path / "ds" / "train" / "index.json").is_file()
+
+
+def test_readme_commands_match_ci():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = next(line for line in ci.splitlines() if "pytest" in line).strip()
+    assert test_cmd in readme
+    assert "python -m fp8_lightning fit --config configs/quickstart.yaml" in readme

@@ -1,0 +1,128 @@
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning.config import ConfigError, GPTConfig
+from fp8_lightning.fp8 import FP8Precision, bf16_module_names, build_recipe_config
+from fp8_lightning.model import GPT
+
+
+def test_recipe_defaults_per_recipe():
+    assert build_recipe_config("delayed") == {
+        "recipe": "delayed", "fp8_format": "hybrid", "margin": 0, "amax_history_len": 1024,
+        "amax_compute_algo": "max", "reduce_amax": True}
+    assert build_recipe_config("current") == {"recipe": "current", "fp8_format": "hybrid"}
+    assert build_recipe_config("block")["fp8_format"] == "e4m3"
+
+
+@pytest.mark.parametrize("recipe, fields, message", [
+    ("delayd", {}, "recipe='delayd'; valid: delayed, current, block, mxfp8"),
+    ("delayed", {"interval": 1}, "interval: removed in TransformerEngine 2.x.*valid fields"),
+    ("delayed", {"amax_histroy_len": 16}, "amax_histroy_len is not a field of recipe='delayed'"),
+    ("current", {"margin": 1}, "margin is not a field of recipe='current'; valid: fp8_format"),
+    ("delayed", {"fp8_format": "e5m2"}, "fp8_format='e5m2'; valid: hybrid, e4m3 .E5M2-only"),
+    ("block", {"fp8_format": "hybrid"}, "recipe='block'; valid: e4m3"),
+    ("delayed", {"amax_compute_algo": "mean"}, "amax_compute_algo='mean'; valid: max, most_recent"),
+    ("delayed", {"amax_history_len": 0}, "amax_history_len=0 must be an integer >= 1"),
+])
+def test_recipe_errors_name_the_valid_choices(recipe, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        build_recipe_config(recipe, **fields)
+
+
+def test_plugin_argument_errors():
+    with pytest.raises(ConfigError, match="weights='fp16'; valid: bf16-mixed, bf16-true"):
+        FP8Precision(weights="fp16")
+    with pytest.raises(ConfigError, match="bf16_first_layers=-1"):
+        FP8Precision(bf16_first_layers=-1)
+    with pytest.raises(TypeError):
+        FP8Precision(interval=1)  # the old DelayedScaling keyword is not an argument
+
+
+def test_layer_policy_keeps_lm_head_and_edge_blocks_bf16():
+    model = GPT(GPTConfig.from_name("tiny", n_layer=4))
+    keep = bf16_module_names(model, fp8_lm_head=False, bf16_first_layers=1, bf16_last_layers=1)
+    assert keep == {"blocks.0": "bf16_first_layers=1", "blocks.3": "bf16_last_layers=1",
+                    "lm_head": "fp8_lm_head=false"}
+    assert bf16_module_names(model, fp8_lm_head=True, bf16_first_layers=0, bf16_last_layers=0) == {}
+
+
+def test_fallback_without_te_or_gpu_says_why(caplog):
+    plugin = FP8Precision()
+    with caplog.at_level(logging.WARNING):
+        plugin.convert_module(GPT(GPTConfig.from_name("tiny")))
+    assert not plugin.fp8_active and plugin.effective_precision == "bf16"
+    assert plugin.tag.startswith("BF16 (fallback: ")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "FP8 is not available:" in warnings[0].getMessage()
+    assert plugin.history[-1]["event"] == "unavailable"
+
+
+def test_on_unavailable_error_stops():
+    with pytest.raises(RuntimeError, match="FP8 is not available: .*on_unavailable=error"):
+        FP8Precision(on_unavailable="error").convert_module(GPT(GPTConfig.from_name("tiny")))
+
+
+def test_fallback_context_is_bf16_autocast_and_leaves_default_dtype():
+    plugin = FP8Precision()
+    model = GPT(GPTConfig.from_name("tiny"))
+    plugin.convert_module(model)
+    with plugin.train_step_context():
+        out = model.lm_head(torch.randn(2, 64))
+    assert out.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+    assert model.lm_head.weight.dtype == torch.float32  # fp32 master weights
+
+
+def test_bf16_true_casts_the_weights():
+    plugin = FP8Precision(weights="bf16-true")
+    model = plugin.convert_module(GPT(GPTConfig.from_name("tiny")))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_state_dict_round_trip_and_switch_history():
+    a = FP8Precision(recipe="current", bf16_last_layers=1)
+    a.convert_module(GPT(GPTConfig.from_name("tiny")))
+    # The switch without FP8 available: disable is a no-op, enable refuses.
+    a.disable_fp8("test", step=3)
+    assert a.enable_fp8() is False
+    state = a.state_dict()
+    torch.save(state, "/dev/null")  # plain types only
+    assert state["recipe"] == {"recipe": "current", "fp8_format": "hybrid"}
+    assert state["effective_precision"] == "bf16" and state["fp8_active"] is False
+    b = FP8Precision(recipe="current")
+    b.load_state_dict(state)
+    assert [h["event"] for h in b.history] == ["unavailable"]
+
+
+def test_switch_records_history_when_fp8_was_active():
+    plugin = FP8Precision()
+    plugin.fp8_available = plugin.fp8_active = True  # as after a successful setup on a GPU
+    plugin.disable_fp8("loss was NaN", step=40)
+    assert plugin.tag == "BF16 (fallback: loss was NaN)"
+    assert plugin.enable_fp8(reset_scaling=False, step=90) is True
+    assert plugin.tag == "FP8 delayed"
+    assert [(h["event"], h["step"]) for h in plugin.history] == [("disabled", 40), ("enabled", 90)]
+    restored = FP8Precision()
+    restored.fp8_active = True
+    restored.load_state_dict({**plugin.state_dict(), "fp8_active": False,
+                              "history": plugin.history[:1]})
+    assert not restored.fp8_active and "loss was NaN" in restored.reason
+
+
+def test_plugin_trains_the_torch_backend_with_the_trainer(tmp_path):
+    from fp8_lightning.module import GPTLightningModule
+
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig.from_name("tiny", n_layer=1), backend="torch",
+                                learning_rate=3e-3, warmup_steps=2)
+    data = torch.randint(0, 1000, (64, 33))
+    trainer = L.Trainer(max_steps=8, plugins=[FP8Precision()], accelerator="cpu",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, limit_val_batches=0)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    assert trainer.global_step == 8
+    assert trainer.precision_plugin.effective_precision == "bf16"
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])

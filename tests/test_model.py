@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.model import GPT
+
+# Each preset family cut to CPU size (2 layers, narrow), keeping its architecture.
+FAMILIES = {
+    "gpt2": dict(n_layer=2, n_head=4, n_embd=64, ffn_hidden=256, block_size=64),
+    "gpt2-xl": dict(n_layer=2, n_head=4, n_embd=64, ffn_hidden=256, block_size=64),
+    "llama3-small": dict(n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, ffn_hidden=160,
+                         block_size=64, vocab_size=1000),
+    "llama3-8b": dict(n_layer=2, n_head=8, n_kv_heads=2, n_embd=128, ffn_hidden=224,
+                      block_size=64, vocab_size=1000, qk_norm=True),
+    "tiny": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_forward_backward_every_family(name):
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(name, **FAMILIES[name])
+    model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (2, 32))
+    logits = model(idx)
+    assert logits.shape == (2, 32, config.vocab_size)
+    loss = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+    assert abs(loss.item() - math.log(config.vocab_size)) < 0.5  # ~uniform at init
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+def test_parameter_names_are_transformer_engine_names():
+    """The torch backend's state_dict keys are the TE modules' keys (checked on GPU too)."""
+    model = GPT(GPTConfig.from_name("tiny", n_layer=1))
+    keys = set(model.state_dict())
+    block = {f"blocks.0.{k}" for k in (
+        "qkv.layer_norm_weight", "qkv.layer_norm_bias", "qkv.weight", "qkv.bias", "qkv._extra_state",
+        "core._extra_state", "proj.weight", "proj.bias", "proj._extra_state",
+        "mlp.layer_norm_weight", "mlp.layer_norm_bias", "mlp.fc1_weight", "mlp.fc1_bias",
+        "mlp.fc2_weight", "mlp.fc2_bias", "mlp._extra_state")}
+    top = {"wte.weight", "wpe.weight", "norm_f.weight", "norm_f.bias", "norm_f._extra_state",
+           "lm_head.weight", "lm_head._extra_state"}
+    assert keys == block | top
+
+
+def test_llama_family_has_no_biases_and_swiglu_doubles_fc1():
+    c = GPTConfig.from_name("tiny-llama")
+    model = GPT(c)
+    names = dict(model.named_parameters())
+    assert not any(n.endswith("bias") for n in names)
+    assert names["blocks.0.mlp.fc1_weight"].shape == (2 * c.ffn_hidden, c.n_embd)
+    assert names["blocks.0.qkv.weight"].shape == ((c.n_head + 2 * c.n_kv_heads) * c.head_dim, c.n_embd)
+    assert "wpe.weight" not in names and "lm_head.weight" in names
+
+
+def test_gpt2_initialisation():
+    torch.manual_seed(0)
+    c = GPTConfig.from_name("gpt2", n_layer=4, n_embd=256, n_head=4, ffn_hidden=1024)
+    model = GPT(c)
+    p = dict(model.named_parameters())
+    assert p["blocks.0.qkv.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert p["blocks.0.mlp.fc1_weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    expected = 0.02 / math.sqrt(2 * c.n_layer)
+    assert p["blocks.3.proj.weight"].std().item() == pytest.approx(expected, rel=0.05)
+    assert p["blocks.3.mlp.fc2_weight"].std().item() == pytest.approx(expected, rel=0.05)
+    assert torch.all(p["blocks.0.qkv.bias"] == 0) and torch.all(p["norm_f.weight"] == 1)
+    assert model.lm_head.weight is model.wte.weight  # GPT-2 ties embedding and head
+
+
+def test_padded_vocab_takes_no_probability_mass():
+    torch.manual_seed(0)
+    c = GPTConfig.from_name("tiny")
+    model = GPT(c)
+    with torch.no_grad():  # make the padded rows of the head win every argmax if they could
+        model.lm_head.weight[c.vocab_size:] = 10.0
+    idx = torch.randint(0, c.vocab_size, (2, 16))
+    logits = model(idx)
+    assert logits.shape[-1] == c.vocab_size == 50257
+    F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+    assert torch.all(model.lm_head.weight.grad[c.vocab_size:] == 0)  # padding gets no gradient
+    out = model.generate(idx[:, :4], max_new_tokens=8, temperature=1.0, top_k=50)
+    assert out.shape == (2, 12) and int(out.max()) < c.vocab_size
+    greedy = model.generate(idx[:, :4], max_new_tokens=4, temperature=0)
+    assert int(greedy.max()) < c.vocab_size
+
+
+def test_swiglu_follows_te_convention_gate_first():
+    from fp8_lightning.layers import TorchLayerNormMLP, normal_init
+
+    mlp = TorchLayerNormMLP(16, 16, bias=False, norm="rmsnorm", eps=1e-5, activation="swiglu",
+                            init_method=normal_init(0.02), output_layer_init_method=normal_init(0.02))
+    x = torch.randn(3, 16)
+    h = F.linear(F.rms_norm(x, (16,), mlp.layer_norm_weight, 1e-5), mlp.fc1_weight)
+    expected = F.linear(F.silu(h[:, :16]) * h[:, 16:], mlp.fc2_weight)
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_rope_model_is_causal():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny-llama")).eval()
+    idx = torch.randint(0, 1000, (1, 20))
+    changed = idx.clone()
+    changed[0, 15] = (changed[0, 15] + 1) % 1000
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :15], b[:, :15])
+    assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+def test_too_long_sequence_is_a_clear_error():
+    model = GPT(GPTConfig.from_name("tiny"))
+    with pytest.raises(ValueError, match="exceeds block_size=128"):
+        model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_checkpoint_round_trip_strict():
+    a, b = GPT(GPTConfig.from_name("tiny")), GPT(GPTConfig.from_name("tiny"))
+    b.load_state_dict(a.state_dict(), strict=True)
+    idx = torch.randint(0, 50257, (1, 8))
+    torch.testing.assert_close(a(idx), b(idx))

@@ -1,0 +1,36 @@
+import pytest
+
+from fp8_lightning.data import EMBEDDED_CORPUS, EMBEDDED_SHA256
+from fp8_lightning.tokenizer import ASSETS, GPT2_FILES, get_tokenizer, sha256
+
+
+def test_shipped_files_have_the_expected_checksums():
+    for name, digest in GPT2_FILES.items():
+        assert sha256(ASSETS / "gpt2" / name) == digest
+    assert sha256(EMBEDDED_CORPUS) == EMBEDDED_SHA256
+
+
+def test_gpt2_tokenizer_is_the_real_gpt2_encoding_offline():
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
+    text = "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(["to be or not to be"] * 20,
+                           trainers.BpeTrainer(special_tokens=["[UNK]", "</s>"], vocab_size=60))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = get_tokenizer(str(tmp_path))
+    assert tok.eot_id == tk.token_to_id("</s>")
+    assert tok.decode(tok.encode("to be")).replace(" ", "") == "tobe"
+
+
+def test_unknown_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="valid values are 'gpt2' or the path"):
+        get_tokenizer("llama-nonexistent")
