@@ -110,14 +110,16 @@ def recipe_available(recipe: str) -> tuple[bool, str]:
     ok, reason = te_status()
     if not ok:
         return False, reason
-    ok, reason = gpu_fp8_capable()
+    ok, gpu = gpu_fp8_capable()
     if not ok:
-        return False, reason
+        return False, gpu
     te = te_module()
     check = {"delayed": te.is_fp8_available, "current": te.is_fp8_available,
              "block": te.is_fp8_block_scaling_available, "mxfp8": te.is_mxfp8_available}[recipe]
     ok, reason = check(return_reason=True)
-    return ok, (reason or f"TransformerEngine says recipe {recipe!r} is not supported here")
+    if not ok:
+        return False, reason or f"TransformerEngine says recipe {recipe!r} is not supported on {gpu}"
+    return True, gpu
 
 
 def te_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -270,6 +272,7 @@ class FP8Precision(Precision):
             self._record("unavailable", reason)
             return module
         self._te_recipe = make_te_recipe(self.recipe_config)
+        self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self._apply_layer_policy(gpt)
         self._install_checkpoint_hooks(gpt)
         self.fp8_active, self.reason = True, reason
@@ -407,7 +410,9 @@ class FP8Precision(Precision):
                 log.info("FP8 scaling state in the checkpoint (%s) not used by recipe %s",
                          saved.get("recipe"), self.recipe_config["recipe"])
 
-    def teardown(self) -> None:
+    def _remove_hooks(self) -> None:
+        # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must
+        # still go through the extra-state hooks.
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
