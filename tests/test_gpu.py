@@ -194,7 +194,11 @@ def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto"):
                         logger=False, enable_progress_bar=False, limit_val_batches=0,
                         default_root_dir=tmp_path, callbacks=[losses],
                         enable_checkpointing=True)
-    loader = torch.utils.data.DataLoader(tokens[: 20 * B], batch_size=B, shuffle=False)
+    # Every batch is the same batch: the loss curve then depends only on the training state
+    # (weights, optimizer, schedule, FP8 scaling), not on where the loader resumes. A plain
+    # DataLoader re-serves one batch after a resume from a post-fit checkpoint (loader resume
+    # is the streaming loader's job, tested with the data module).
+    loader = torch.utils.data.DataLoader(tokens[:B].repeat(20, 1), batch_size=B, shuffle=False)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     trainer.save_checkpoint(tmp_path / f"step{steps}.ckpt")
     return trainer, losses.values
