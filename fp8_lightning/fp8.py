@@ -228,6 +228,7 @@ class FP8Precision(Precision):
         self._model_ref: Optional[weakref.ref] = None
         self._hooks: list[Any] = []
         self._verify_pending = False
+        self.scaling_restored = 0  # TE modules whose delayed-scaling state came from a checkpoint
 
     # ----------------------------------------------------------------------------- status
     @property
@@ -405,7 +406,7 @@ class FP8Precision(Precision):
         scaling = state_dict.get("scaling")
         if scaling and self.fp8_active and self.model is not None:
             if saved.get("recipe") == self.recipe_config["recipe"] == "delayed":
-                import_fp8_scaling(self.model, scaling, self._te_recipe)
+                self.scaling_restored = import_fp8_scaling(self.model, scaling, self._te_recipe)
             else:
                 log.info("FP8 scaling state in the checkpoint (%s) not used by recipe %s",
                          saved.get("recipe"), self.recipe_config["recipe"])

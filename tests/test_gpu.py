@@ -215,6 +215,7 @@ def test_fp8_resume_continues_the_loss_curve(tmp_path, tokens):
     resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(),
                                    ckpt_path=tmp_path / "b" / "step20.ckpt")
     assert resumed_trainer.precision_plugin.fp8_active
+    assert resumed_trainer.precision_plugin.scaling_restored == len(scaling)
     for step in (21, 30, 40):
         assert abs(resumed[step] - straight[step]) < 1e-2, (step, resumed[step], straight[step])
 
