@@ -134,14 +134,16 @@ def te_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Named TE modules that run GEMMs (and so can run FP8)."""
-    te = te_module() if te_status()[0] else None
-    return {name: m for name, m in te_modules(model).items()
-            if not isinstance(m, te.DotProductAttention)}
+    modules = te_modules(model)
+    if not modules:
+        return {}
+    attention = te_module().DotProductAttention
+    return {name: m for name, m in modules.items() if not isinstance(m, attention)}
 
 
 def _gemm_dims_ok(module: nn.Module) -> bool:
     return all(p.shape[0] % FP8_MULTIPLE == 0 and p.shape[1] % FP8_MULTIPLE == 0
-               for name, p in module.named_parameters(recurse=False) if p.ndim == 2)
+               for p in module.parameters(recurse=False) if p.ndim == 2)
 
 
 def bf16_module_names(model: nn.Module, *, fp8_lm_head: bool, bf16_first_layers: int,
@@ -225,6 +227,8 @@ class FP8Precision(Precision):
         self.history: list[dict[str, Any]] = []
         self.bf16_modules: dict[str, str] = {}
         self._te_recipe: Any = None
+        self._device_type = "cpu"
+        self._amax_group: Any = None
         self._model_ref: Optional[weakref.ref] = None
         self._hooks: list[Any] = []
         self._verify_pending = False
@@ -256,6 +260,10 @@ class FP8Precision(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         gpt = _find_gpt(module)
         self._model_ref = weakref.ref(gpt)
+        # Decided once here, not on every step: the strategy has set up devices and process
+        # groups before it converts the module.
+        self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._amax_group = _data_parallel_group()
         if self.weights == "bf16-true":
             module = module.to(torch.bfloat16)
         ok, reason = recipe_available(self.recipe_config["recipe"])
@@ -290,16 +298,16 @@ class FP8Precision(Precision):
                                               bf16_last_layers=self.bf16_last_layers)
         modules = dict(gpt.named_modules())
         for name in self.bf16_modules:
-            stack: list[ExitStack] = []
+            active: list[Any] = []  # the open te.autocast(enabled=False) region of this module
 
-            def enter(_mod, _args, stack=stack):
-                es = ExitStack()
-                es.enter_context(te.autocast(enabled=False))
-                stack.append(es)
+            def enter(_mod, _args, active=active):
+                region = te.autocast(enabled=False)
+                region.__enter__()
+                active.append(region)
 
-            def leave(_mod, _args, _out, stack=stack):
-                if stack:
-                    stack.pop().close()
+            def leave(_mod, _args, _out, active=active):
+                if active:
+                    active.pop().__exit__(None, None, None)
 
             target = modules[name]
             self._hooks.append(target.register_forward_pre_hook(enter))
@@ -313,14 +321,13 @@ class FP8Precision(Precision):
     # ----------------------------------------------------------------------------- contexts
     @contextmanager
     def _context(self, fp8: bool) -> Generator[None, None, None]:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         with ExitStack() as stack:
             if self.weights == "bf16-mixed":
-                stack.enter_context(torch.autocast(device, dtype=torch.bfloat16))
+                stack.enter_context(torch.autocast(self._device_type, dtype=torch.bfloat16))
             if self._te_recipe is not None:
                 stack.enter_context(te_module().autocast(
                     enabled=fp8 and self.fp8_active, recipe=self._te_recipe,
-                    amax_reduction_group=_data_parallel_group()))
+                    amax_reduction_group=self._amax_group))
             yield
 
     @override
@@ -364,7 +371,7 @@ class FP8Precision(Precision):
         self.fp8_active, self.reason = False, reason
         self._record("disabled", reason, step)
         _warn(f"FP8 disabled{'' if step is None else f' at step {step}'}: {reason}. "
-                       "Training continues in BF16.")
+              "Training continues in BF16.")
 
     def enable_fp8(self, reset_scaling: bool = True, step: Optional[int] = None) -> bool:
         """Return to FP8 (with fresh scaling state by default); False if FP8 cannot run here."""
@@ -388,8 +395,8 @@ class FP8Precision(Precision):
                  "fp8_active": self.fp8_active, "effective_precision": self.effective_precision,
                  "reason": self.reason, "history": [dict(h) for h in self.history],
                  "bf16_modules": dict(self.bf16_modules)}
-        if self.model is not None and self.fp8_available:
-            state["scaling"] = export_fp8_scaling(self.model)
+        if self.model is not None and self.fp8_available and self.recipe_config["recipe"] == "delayed":
+            state["scaling"] = export_fp8_scaling(self.model)  # the only stateful recipe
         return state
 
     @override
@@ -490,5 +497,5 @@ def _drop_foreign_extra_state(module: nn.Module, state_dict: dict, prefix: str, 
     if isinstance(value, torch.Tensor) and value.numel() > 0 and not unsafe_pickle_extra_state_enabled():
         state_dict[key] = torch.empty(0, dtype=torch.uint8)
         _warn(f"{prefix.rstrip('.')}: ignoring pickled FP8 extra state from a checkpoint "
-                       f"not written by fp8-lightning (unsafe to unpickle); the FP8 scales "
-                       f"recalibrate. Set {UNSAFE_PICKLE_EXTRA_STATE_ENV}=1 only if you trust it.")
+              f"not written by fp8-lightning (unsafe to unpickle); the FP8 scales "
+              f"recalibrate. Set {UNSAFE_PICKLE_EXTRA_STATE_ENV}=1 only if you trust it.")

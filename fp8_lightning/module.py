@@ -186,14 +186,17 @@ class GPTLightningModule(L.LightningModule):
                                           decay_steps=decay_steps) / hp.learning_rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def _precision(self, attribute: str) -> str:
+        """An ``FP8Precision`` attribute (``tag``, ``effective_precision``), else the Trainer's."""
+        return getattr(self.trainer.precision_plugin, attribute, None) or str(self.trainer.precision)
+
     def precision_tag(self) -> str:
         """``FP8 delayed`` or ``BF16 (fallback: reason)`` under FP8Precision, else the Trainer's."""
-        plugin = self.trainer.precision_plugin
-        return getattr(plugin, "tag", None) or str(self.trainer.precision)
+        return self._precision("tag")
 
     def effective_precision(self) -> str:
-        plugin = self.trainer.precision_plugin
-        return getattr(plugin, "effective_precision", None) or str(self.trainer.precision)
+        """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""
+        return self._precision("effective_precision")
 
     @override
     def on_train_start(self) -> None:

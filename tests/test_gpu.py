@@ -111,6 +111,17 @@ def bf16_reference(tokens):
     return losses, eval_loss(model, tokens)
 
 
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_stateless_recipes_checkpoint_without_scaling_state(recipe, tokens):
+    model = make_model()
+    plugin = FP8Precision(recipe=recipe)
+    plugin.convert_module(model)
+    train(model, plugin, tokens, 2)
+    state = plugin.state_dict()
+    assert state["effective_precision"] == f"fp8-{recipe}" and "scaling" not in state
+    assert all(v.numel() == 0 for k, v in model.state_dict().items() if k.endswith("_extra_state"))
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 def test_recipe_trains_100_steps_close_to_bf16(recipe, tokens, bf16_reference, capsys):
     model = make_model()
