@@ -85,6 +85,7 @@ class GPTLightningModule(L.LightningModule):
         self.hparams["config"] = config.to_dict()
         self.model: Optional[GPT] = None
         self.tokens_seen = 0
+        self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         self.val_loss = MeanMetric()
 
     @override
@@ -129,6 +130,15 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen += tokens * self.trainer.world_size
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Total gradient norm before clipping, left on the device (no host sync): the NaN guard
+        # and the monitor read it.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm(grads)
+            self.grad_norm = torch.linalg.vector_norm(torch.stack(norms).float())
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
