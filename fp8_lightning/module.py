@@ -138,7 +138,7 @@ class GPTLightningModule(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             norms = torch._foreach_norm(grads)
-            self.grad_norm = torch.linalg.vector_norm(torch.stack(norms).float())
+            self.grad_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
