@@ -1,8 +1,12 @@
 """fp8-lightning: FP8 training of GPT-style models with TransformerEngine, as a Lightning run."""
 
+from .checkpoint import AtomicCheckpointIO, Checkpoint, CheckpointError
 from .config import PRESETS, ConfigError, GPTConfig
 from .fp8 import FP8Precision
 from .model import GPT
+from .safety import FaultInjection, NaNGuard, NonFiniteTrainingError
 
 __version__ = "0.1.0"
-__all__ = ["FP8Precision", "GPT", "GPTConfig", "ConfigError", "PRESETS", "__version__"]
+__all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "ConfigError", "FP8Precision",
+           "FaultInjection", "GPT", "GPTConfig", "NaNGuard", "NonFiniteTrainingError", "PRESETS",
+           "__version__"]

@@ -13,9 +13,11 @@ from typing import Callable, Optional
 
 from lightning.pytorch.cli import LightningCLI
 
+from .checkpoint import CheckpointError, checkpoints
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
 from .module import GPTLightningModule
+from .safety import NonFiniteTrainingError
 
 log = logging.getLogger("fp8_lightning")
 
@@ -39,12 +41,19 @@ def prepare_command(argv: list[str]) -> None:
     _run_function(prepare, argv)
 
 
+def checkpoints_command(argv: list[str]) -> None:
+    if argv and not argv[0].startswith("-"):  # `checkpoints DIR` as well as `--directory DIR`
+        argv = ["--directory", argv[0], *argv[1:]]
+    _run_function(checkpoints, argv)
+
+
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
+    "checkpoints": checkpoints_command,
 }
 
 
-USER_ERRORS = (ConfigError, FileNotFoundError)
+USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointError, NonFiniteTrainingError)
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, check_micro_batch
 from .tokenizer import ASSETS, get_tokenizer
 
@@ -190,6 +191,8 @@ class TokenShardDataModule(L.LightningDataModule):
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.meta: dict[str, Any] = {}
         self.train_dataset = self.val_dataset = None
+        self._train_loader: Any = None
+        self._resume: Optional[dict[str, Any]] = None  # our state from the checkpoint, to verify
 
     @property
     def dataset_dir(self) -> str:
@@ -256,7 +259,63 @@ class TokenShardDataModule(L.LightningDataModule):
                                    pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> Any:
-        return self._loader(self.train_dataset)
+        self._train_loader = self._loader(self.train_dataset)
+        return self._train_loader
+
+    # ------------------------------------------------------------------ exact resume
+    # Lightning saves and restores the StreamingDataLoader's own state (checkpoint
+    # ``loops.fit_loop.state_dict.combined_loader``). This module records what it expects that
+    # state to be and, when training starts again, checks the restored loader really is there:
+    # a resume that would silently replay or skip data stops instead.
+
+    def _position(self) -> Optional[int]:
+        """Training blocks consumed this epoch, over all ranks (litdata's sample_in_epoch)."""
+        loader = self._train_loader
+        if loader is None or not hasattr(loader, "_num_samples_yielded_streaming"):
+            return None
+        world = getattr(self.train_dataset.distributed_env, "world_size", 1)
+        dropped = getattr(self.train_dataset, "_elastic_drop_first", None) or 0
+        return dropped + loader._num_samples_yielded_streaming * world
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_dir": self.dataset_dir, "seq_len": self.seq_len, "batch_size": self.batch_size,
+                "shuffle": self.shuffle, "seed": self.seed, "position": self._position(),
+                "epoch": getattr(self._train_loader, "current_epoch", None)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        problems = []
+        for key, why in (("seq_len", "blocks would be cut differently: data would be replayed "
+                          "or skipped"), ("data_dir", "another dataset"),
+                         ("shuffle", "another sample order"), ("seed", "another sample order")):
+            if key in state_dict and state_dict[key] != getattr(self, key if key != "data_dir"
+                                                                   else "dataset_dir"):
+                problems.append(f"data.{key}={getattr(self, key if key != 'data_dir' else 'dataset_dir')!r} "
+                                f"but the checkpoint was trained with {state_dict[key]!r} ({why})")
+        if problems:
+            raise ConfigError(problems + ["resume with the checkpoint's values, or start a new run "
+                                          "without --ckpt_path"], "data for this checkpoint")
+        if state_dict.get("batch_size") not in (None, self.batch_size):
+            rank_zero_info(f"data: batch_size {state_dict['batch_size']} -> {self.batch_size}: "
+                           "litdata resumes the same sample stream at the same position")
+        self._resume = dict(state_dict)
+
+    def verify_resumed(self) -> None:
+        """Called when training starts: the loader must continue where the checkpoint stopped."""
+        expected, self._resume = self._resume, None
+        if not expected or not expected.get("position"):
+            return
+        position = self._position()
+        if position is None:
+            raise CheckpointError("resume: the training loader has no litdata state to verify; data "
+                               "would restart from the beginning of the epoch")
+        loader = self._train_loader
+        if position != expected["position"] or not getattr(loader, "restore", True):
+            raise CheckpointError(
+                f"resume: the checkpoint's data position is block {expected['position']} of epoch "
+                f"{expected['epoch']} but the restored loader is at block {position} (restore="
+                f"{getattr(loader, 'restore', None)}); continuing would replay or skip data. With "
+                "a changed batch size or number of devices, choose one that divides the position.")
+        rank_zero_info(f"data: resumed at block {position} of epoch {expected['epoch']} (verified)")
 
     def val_dataloader(self) -> Any:
         return self._loader(self.val_dataset)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .model import GPT
 from .te_support import te_status
@@ -132,13 +134,30 @@ class GPTLightningModule(L.LightningModule):
         return loss
 
     @override
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_after_backward(self) -> None:
         # Total gradient norm before clipping, left on the device (no host sync): the NaN guard
-        # and the monitor read it.
+        # and the monitor read it in on_before_optimizer_step. (Callbacks' on_after_backward
+        # hooks run before this one, so an injected fault is seen here.)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             norms = torch._foreach_norm(grads)
             self.grad_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+    @override
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        # Clip with the norm on_after_backward already computed: no second pass, no host sync.
+        # (Lightning's own path refuses fused optimizers under bf16-mixed, and the fused AdamW is
+        # what lets the NaN guard skip a step on the device.)
+        if not gradient_clip_val:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
+        elif grads and self.grad_norm is not None:
+            coef = torch.clamp(gradient_clip_val / (self.grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -184,11 +203,11 @@ class GPTLightningModule(L.LightningModule):
         for p in self.model.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-        fused = all(p.is_cuda for p in decay + no_decay)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=tuple(hp.betas), fused=fused)
+            lr=hp.learning_rate, betas=tuple(hp.betas),
+            fused=True)  # fused (CUDA and CPU) takes the NaN guard's found_inf: skips on device
         decay_steps = self.decay_steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_at(step, max_lr=hp.learning_rate, min_lr=hp.min_lr,
@@ -211,13 +230,62 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         rank_zero_info(f"precision: {self.precision_tag()}")
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if hasattr(datamodule, "verify_resumed"):
+            datamodule.verify_resumed()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        val_loss = self.trainer.callback_metrics.get("val/loss")
         checkpoint["tokens_seen"] = self.tokens_seen
-        checkpoint["fp8_lightning"] = {"backend": self.backend_name, "config": self.config.to_dict(),
-                                       "precision": self.effective_precision()}
+        checkpoint["fp8_lightning"] = {
+            "backend": self.backend_name, "config": self.config.to_dict(),
+            "precision": self.effective_precision(), "versions": checkpoint_versions(),
+            "val_loss": None if val_loss is None else float(val_loss), "rng": rng_state()}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get("fp8_lightning")
+        if meta is None:
+            raise CheckpointError("the checkpoint was not written by fp8-lightning (no "
+                                  "'fp8_lightning' entry); load its weights yourself or start "
+                                  "without --ckpt_path")
+        check_same_model(meta.get("config", {}), self.config)
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        if meta.get("rng"):
+            set_rng_state(meta["rng"])
+
+
+def check_same_model(saved: dict[str, Any], config: GPTConfig) -> None:
+    """One error listing every model field where this run differs from the checkpoint."""
+    current = config.to_dict()
+    problems = [f"model.config.{k}={current.get(k)!r} but the checkpoint was trained with "
+                f"{k}={v!r}" for k, v in saved.items() if k != "name" and current.get(k) != v]
+    if problems:
+        raise ConfigError(problems + ["set these fields as in the checkpoint (the config saved "
+                                      "beside it: config.yaml) or start without --ckpt_path"],
+                          "model for this checkpoint")
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch (and CUDA) generator states as tensors and plain types."""
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(tuple(state["python"][:1]) + (tuple(state["python"][1]),)
+                    + tuple(state["python"][2:]))
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

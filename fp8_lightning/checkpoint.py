@@ -1,0 +1,248 @@
+"""Checkpoints that survive a kill, say what they hold, and refuse to load the wrong thing.
+
+* :class:`AtomicCheckpointIO` writes ``NAME.tmp-PID`` in the target directory, fsyncs it and
+  ``os.replace``-s it over ``NAME``: a kill at any moment leaves either the old file or the new
+  one, never a torn one. (Lightning's default ``_atomic_save`` goes through an fsspec transaction
+  whose temporary file lives in ``/tmp`` and is *copied* over the target when ``/tmp`` is another
+  filesystem, which is not atomic.) Loading turns missing, truncated and foreign files into one
+  :class:`CheckpointError` naming the path.
+* :class:`Checkpoint` is Lightning's ``ModelCheckpoint`` with the project's defaults: one stable
+  directory per run root (so ``--ckpt_path last`` finds it across runs), ``last.ckpt`` every N steps
+  and at the end, best-k by ``val/loss``, and optionally the last K periodic checkpoints.
+* :func:`list_checkpoints` backs ``python -m fp8_lightning checkpoints DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, foreign or does not match this run."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported on this platform / filesystem
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
+                         mmap: bool = False) -> dict[str, Any]:
+    """Load a Lightning checkpoint with ``weights_only=True``; one clear error for bad files."""
+    path = Path(path)
+    if not path.is_file():
+        near = sorted(p.name for p in path.parent.glob("*.ckpt")) if path.parent.is_dir() else []
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist"
+                                + (f"; in that directory: {', '.join(near)}" if near else ""))
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        raise CheckpointError(f"checkpoint {str(path)!r} holds objects other than tensors and plain "
+                              f"types ({found.group(1) if found else 'a pickled object'}; not "
+                              "written by fp8-lightning): refusing to unpickle it") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt "
+                              f"({str(err).splitlines()[0]}); use an older checkpoint from "
+                              f"{str(path.parent)!r}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no "
+                              f"'state_dict'; found {keys})")
+    return checkpoint
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` with atomic writes and validated, ``weights_only`` loads."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        atomic_torch_save(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_checkpoint_file(path, map_location=map_location)
+
+
+class Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` with atomic writes, a stable directory and keep-last-K.
+
+    Args:
+        dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` (one
+            directory for every run under that root, so ``--ckpt_path last`` finds the last one).
+        every_n_train_steps: write ``last.ckpt`` (and consider best-k) every N steps; ``last.ckpt``
+            is also written when training ends.
+        monitor: metric for best-k (``val/loss``).
+        save_top_k: best-k checkpoints kept by ``monitor`` (0 = none).
+        keep_last: also keep the last K periodic checkpoints as ``step-NNNNNNN.ckpt``
+            (hard links to the ``last.ckpt`` of that step: no extra write); 0 = none.
+        filename: name of the best-k files.
+        **kwargs: any other ``ModelCheckpoint`` argument.
+    """
+
+    def __init__(self, dirpath: Optional[str] = None, every_n_train_steps: int = 500,
+                 monitor: Optional[str] = "val/loss", save_top_k: int = 1, keep_last: int = 0,
+                 filename: str = "best-step{step:07d}-val{val/loss:.4f}", **kwargs: Any) -> None:
+        kwargs.setdefault("save_last", True)
+        kwargs.setdefault("auto_insert_metric_name", False)
+        super().__init__(dirpath=dirpath, every_n_train_steps=every_n_train_steps,
+                         monitor=monitor, save_top_k=save_top_k, filename=filename, **kwargs)
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"Checkpoint.keep_last={keep_last!r} must be an integer >= 0")
+        self.keep_last = keep_last
+
+    def _use_default_dir(self, trainer: L.Trainer) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+
+    @override
+    def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
+        # `--ckpt_path last` is resolved before setup(): use the same default directory.
+        self._use_default_dir(trainer)
+        return super()._find_last_checkpoints(trainer)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._use_default_dir(trainer)
+        strategy = trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: make writes atomic
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # ModelCheckpoint writes last.ckpt at the end only if it never wrote one; we want the end
+        # state whenever it is newer than the last write.
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.keep_last and trainer.is_global_zero and self.last_model_path:
+            self._keep(Path(self.last_model_path), trainer.global_step)
+
+    def _keep(self, last: Path, step: int) -> None:
+        target = last.with_name(f"step-{step:07d}.ckpt")
+        if not target.exists():
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            try:
+                os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
+            except OSError:
+                import shutil
+
+                shutil.copy2(last, tmp)
+            os.replace(tmp, target)
+        kept = sorted(last.parent.glob("step-*.ckpt"))
+        for old in kept[: max(0, len(kept) - self.keep_last)]:
+            old.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------- listing
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def describe_checkpoint(path: Path) -> dict[str, Any]:
+    """One row for ``checkpoints``: step, tokens, val loss, precision, size (or the error)."""
+    row: dict[str, Any] = {"file": path.name, "size": path.stat().st_size}
+    try:
+        ckpt = load_checkpoint_file(path, mmap=True)
+    except (CheckpointError, FileNotFoundError) as err:
+        row["error"] = str(err).split(" is ", 1)[-1] if " is " in str(err) else str(err)
+        return row
+    meta = ckpt.get("fp8_lightning", {})
+    row.update(step=ckpt.get("global_step"), tokens=ckpt.get("tokens_seen"),
+               val_loss=meta.get("val_loss"), precision=meta.get("precision", "?"),
+               model=meta.get("config", {}).get("name", "?"))
+    return row
+
+
+def list_checkpoints(directory: str) -> list[dict[str, Any]]:
+    """Rows describing every ``*.ckpt`` in ``directory``, oldest step first."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    rows = [describe_checkpoint(p) for p in sorted(root.glob("*.ckpt"))]
+    return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0, r["file"]))
+
+
+def format_checkpoints(rows: list[dict[str, Any]]) -> str:
+    header = ("file", "step", "tokens", "val loss", "precision", "model", "size")
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append((r["file"], "-", "-", "-", f"UNREADABLE: {r['error']}", "-", _human(r["size"])))
+            continue
+        val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
+        lines.append((r["file"], str(r["step"]), tokens, val, r["precision"], r["model"],
+                      _human(r["size"])))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)] if lines else []
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))] if lines else []
+    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in lines]
+    return "\n".join(out) if out else "(no checkpoints)"
+
+
+def checkpoints(directory: str) -> None:
+    """List the checkpoints in DIRECTORY: step, tokens seen, validation loss, precision, size.
+
+    Args:
+        directory: a checkpoint directory (e.g. runs/quickstart/checkpoints) or a run root that
+            contains one.
+    """
+    root = Path(directory)
+    if root.is_dir() and not any(root.glob("*.ckpt")) and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    rows = list_checkpoints(str(root))
+    print(f"{root}:")
+    print(format_checkpoints(rows))
+
+
+def checkpoint_versions() -> dict[str, str]:
+    """Versions recorded in every checkpoint: torch, lightning, TransformerEngine."""
+    from .te_support import te_version
+
+    return {"torch": str(torch.__version__), "lightning": str(L.__version__),
+            "transformer_engine": str(te_version())}

@@ -1,0 +1,78 @@
+"""Test-only callbacks, importable by class path from CLI runs (``tests.helpers.X``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class BatchLog(Callback):
+    """Appends ``{"step", "batch", "loss", "lr"}`` per training step to a JSON-lines file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._row: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        rows = batch.detach().cpu().contiguous().numpy()
+        self._row = {"step": trainer.global_step, "batch": hashlib.sha1(rows.tobytes()).hexdigest(),
+                     "samples": [hashlib.sha1(r.tobytes()).hexdigest()[:12] for r in rows],
+                     "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._row.update(loss=float(outputs["loss"]), tokens_seen=pl_module.tokens_seen)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(self._row) + "\n")
+
+
+class KillAt(Callback):
+    """SIGKILLs its own process at the start of step ``step`` (after the checkpoints of step-1)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+from fp8_lightning.fp8 import FP8Precision  # noqa: E402
+
+
+class PretendFP8Precision(FP8Precision):
+    """``FP8Precision`` whose FP8 switch is usable on a CPU ("FP8" runs as BF16 autocast).
+
+    Only for tests of the *policy around* the switch (the NaN guard): the switch, its history
+    and its checkpoint state are the real plugin's; what FP8 itself does is tested on the GPU.
+    """
+
+    def convert_module(self, module):
+        module = super().convert_module(module)
+        self.fp8_available = self.fp8_active = True
+        self.reason, self._verify_pending = "pretend FP8 (CPU test)", False
+        return module
+
+    def enable_fp8(self, reset_scaling=True, step=None):
+        ok = super().enable_fp8(reset_scaling=reset_scaling, step=step)
+        self._verify_pending = False
+        return ok
+
+
+class Snapshots(Callback):
+    """Copies of the model's parameters after the optimizer steps given."""
+
+    def __init__(self, steps) -> None:
+        self.steps, self.params = set(steps), {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self.params[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
