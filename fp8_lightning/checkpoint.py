@@ -78,10 +78,11 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
         raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt "
                               f"({str(err).splitlines()[0]}); use an older checkpoint from "
                               f"{str(path.parent)!r}") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    required = ("state_dict", "pytorch-lightning_version")
+    if not isinstance(checkpoint, dict) or not all(k in checkpoint for k in required):
         keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no "
-                              f"'state_dict'; found {keys})")
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (needs "
+                              f"{' and '.join(required)}; found {keys})")
     return checkpoint
 
 
@@ -104,6 +105,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class Checkpoint(ModelCheckpoint):
     """``ModelCheckpoint`` with atomic writes, a stable directory and keep-last-K.
 
+    ``last.ckpt`` is written every ``every_n_train_steps`` steps and when training ends; best-k
+    checkpoints are ranked after each validation, by that validation's ``monitor``.
+
     Args:
         dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` (one
             directory for every run under that root, so ``--ckpt_path last`` finds the last one).
@@ -113,17 +117,20 @@ class Checkpoint(ModelCheckpoint):
         save_top_k: best-k checkpoints kept by ``monitor`` (0 = none).
         keep_last: also keep the last K periodic checkpoints as ``step-NNNNNNN.ckpt``
             (hard links to the ``last.ckpt`` of that step: no extra write); 0 = none.
-        filename: name of the best-k files.
+        filename: name of the best-k files (metric names are not inserted: ``/`` would make
+            directories).
+        save_last: write ``last.ckpt``.
         **kwargs: any other ``ModelCheckpoint`` argument.
     """
 
     def __init__(self, dirpath: Optional[str] = None, every_n_train_steps: int = 500,
                  monitor: Optional[str] = "val/loss", save_top_k: int = 1, keep_last: int = 0,
-                 filename: str = "best-step{step:07d}-val{val/loss:.4f}", **kwargs: Any) -> None:
-        kwargs.setdefault("save_last", True)
-        kwargs.setdefault("auto_insert_metric_name", False)
+                 filename: str = "best-step{step:07d}-val{val/loss:.4f}", save_last: bool = True,
+                 auto_insert_metric_name: bool = False, **kwargs: Any) -> None:
         super().__init__(dirpath=dirpath, every_n_train_steps=every_n_train_steps,
-                         monitor=monitor, save_top_k=save_top_k, filename=filename, **kwargs)
+                         monitor=monitor, save_top_k=save_top_k, filename=filename,
+                         save_last=save_last, auto_insert_metric_name=auto_insert_metric_name,
+                         **kwargs)
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"Checkpoint.keep_last={keep_last!r} must be an integer >= 0")
         self.keep_last = keep_last
@@ -145,6 +152,22 @@ class Checkpoint(ModelCheckpoint):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: make writes atomic
             strategy.checkpoint_io = AtomicCheckpointIO()
         super().setup(trainer, pl_module, stage)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        # Every N steps: last.ckpt (and keep-last-K) only. Best-k waits for the validation that
+        # measures *these* weights (ModelCheckpoint would rank them by the previous validation).
+        every = self._every_n_train_steps
+        if every and trainer.global_step % every == 0 and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit":
+            return
+        if self.save_top_k and self.monitor:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from lightning.pytorch.cli import LightningCLI
 
-from .checkpoint import CheckpointError, checkpoints
+from .checkpoint import CheckpointError, checkpoints, load_checkpoint_file
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
 from .module import GPTLightningModule
@@ -29,6 +29,16 @@ class FP8LightningCLI(LightningCLI):
         # The data's sequence length is the model's block size: one number, set once.
         parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
                               apply_on="instantiate")
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
+        # replacing what the user set. Here the config decides; a model that does not match the
+        # checkpoint is one error naming the fields (GPTLightningModule.on_load_checkpoint), and
+        # a missing, truncated or foreign file is one error naming the path.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
+            load_checkpoint_file(ckpt_path, mmap=True)
 
 
 def _run_function(fn: Callable, argv: list[str]) -> None:

@@ -1,0 +1,208 @@
+"""Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, list_checkpoints,
+                                      load_checkpoint_file)
+from fp8_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_sigkill_during_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    target = tmp_path / "last.ckpt"
+    atomic_torch_save({"state_dict": {"w": torch.zeros(4)}, "global_step": 1,
+                       "pytorch-lightning_version": "2.6.0"}, target)
+    writer = textwrap.dedent(f"""
+        import torch
+        from fp8_lightning.checkpoint import AtomicCheckpointIO
+        big = {{"state_dict": {{"w": torch.ones(64, 1024, 1024)}}, "global_step": 2,  # 256 MB
+               "pytorch-lightning_version": "2.6.0"}}
+        while True:
+            AtomicCheckpointIO().save_checkpoint(big, {str(target)!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob(".last.ckpt.tmp-*")):  # the new file is being written
+            assert time.time() < deadline and proc.poll() is None, "writer never started"
+            time.sleep(0.005)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    checkpoint = load_checkpoint_file(target)  # never torn: the old file or a complete new one
+    assert checkpoint["global_step"] in (1, 2)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt-run")
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "10",
+                     "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
+                     "--trainer.callbacks.init_args.every_n_train_steps", "4",
+                     "--trainer.callbacks.init_args.keep_last", "2",
+                     "--trainer.default_root_dir", str(out), "--data.batch_size", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "checkpoints"
+
+
+def test_checkpoint_files_and_what_they_record(short_run):
+    names = sorted(p.name for p in short_run.glob("*.ckpt"))
+    assert "last.ckpt" in names  # keep_last=2: steps 8 and 10 (the end) kept, step 4 pruned
+    assert [n for n in names if n.startswith("step-")] == ["step-0000008.ckpt", "step-0000010.ckpt"]
+    best = [n for n in names if n.startswith("best-")]
+    assert len(best) == 1 and best[0].startswith("best-step0000008-val")  # ranked by its own val
+    last = load_checkpoint_file(short_run / "last.ckpt")
+    assert last["global_step"] == 10  # written at the end, not only every 4 steps
+    meta = last["fp8_lightning"]
+    assert meta["precision"] == "bf16" and meta["config"]["name"] == "tiny"
+    assert set(meta["versions"]) == {"torch", "lightning", "transformer_engine"}
+    assert meta["val_loss"] > 0 and last["tokens_seen"] == 10 * 4 * 128
+    assert last["FP8Precision"]["recipe"]["recipe"] == "delayed"
+    assert last["FP8Precision"]["history"][0]["event"] == "unavailable"
+    loader = last["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert loader["num_samples_yielded"] == 40  # the data position, for exact resume
+    assert last["TokenShardDataModule"]["position"] == 40
+
+
+def test_checkpoints_command_lists_step_tokens_loss_precision_size(short_run, capsys):
+    (short_run / "broken.ckpt").write_bytes((short_run / "last.ckpt").read_bytes()[:5000])
+    main(["checkpoints", str(short_run.parent)])  # a run root works too
+    out = capsys.readouterr().out
+    last = next(line for line in out.splitlines() if line.startswith("last.ckpt"))
+    assert "10" in last and "5,120" in last and "bf16" in last and "tiny" in last
+    assert "MB" in last or "KB" in last
+    assert "broken.ckpt" in out and "UNREADABLE: truncated or corrupt" in out
+    rows = list_checkpoints(str(short_run))
+    assert [r["step"] for r in rows if "error" not in r] == sorted(
+        r["step"] for r in rows if "error" not in r)
+
+
+def fit_error(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "12",
+              "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--data.batch_size", "4", *args])
+    err = capsys.readouterr().err
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    return error_lines[0] + err.split(error_lines[0], 1)[1]
+
+
+def test_bad_checkpoints_give_one_clear_error(short_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    assert "does not exist" in fit_error(capsys, *root, "--ckpt_path", str(tmp_path / "nope.ckpt"))
+    (tmp_path / "trunc.ckpt").write_bytes((short_run / "last.ckpt").read_bytes()[:20000])
+    assert "is truncated or corrupt" in fit_error(capsys, *root, "--ckpt_path",
+                                                  str(tmp_path / "trunc.ckpt"))
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "raw.pt")
+    assert "is not a Lightning checkpoint" in fit_error(capsys, *root, "--ckpt_path",
+                                                        str(tmp_path / "raw.pt"))
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6.0", "global_step": 0},
+               tmp_path / "other.ckpt")
+    assert "not written by fp8-lightning" in fit_error(capsys, *root, "--ckpt_path",
+                                                       str(tmp_path / "other.ckpt"))
+    message = fit_error(capsys, *root, "--model.config.n_layer", "3",
+                        "--ckpt_path", str(short_run / "last.ckpt"))
+    assert "model.config.n_layer=3 but the checkpoint was trained with n_layer=2" in message
+
+
+def test_load_checkpoint_file_rejects_pickles(tmp_path):
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6.0", "obj": Path("x")},
+               tmp_path / "pickle.ckpt")
+    with pytest.raises(CheckpointError, match="pathlib.*refusing to unpickle"):
+        load_checkpoint_file(tmp_path / "pickle.ckpt")
+
+
+# ------------------------------------------------------------------------------ exact resume
+RESUME = ["fit", "--config", "configs/quickstart.yaml", "--trainer.limit_val_batches", "0",
+          "--trainer.enable_progress_bar", "false", "--data.batch_size", "4",
+          "--trainer.callbacks.init_args.every_n_train_steps", "6",
+          "--trainer.callbacks.init_args.monitor", "null",
+          "--trainer.callbacks.init_args.save_top_k", "0",
+          "--trainer.callbacks.init_args.keep_last", "4"]
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def batch_log(path):
+    return ["--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path", str(path)]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """12 steps straight; and the same run SIGKILLed at step 6 (after its checkpoint)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    straight = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
+                       str(tmp / "straight"), *batch_log(tmp / "straight.jsonl"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
+                     str(tmp / "run"), *batch_log(tmp / "first.jsonl"),
+                     "--trainer.callbacks+=tests.helpers.KillAt", "--trainer.callbacks.step", "6")
+    assert killed.returncode == -signal.SIGKILL
+    return tmp
+
+
+def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run):
+    tmp = killed_run
+    resumed = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
+                      str(tmp / "run"), *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "data: resumed at block 24 of epoch 1 (verified)" in resumed.stderr
+    straight, first, after = (records(tmp / f) for f in ("straight.jsonl", "first.jsonl",
+                                                          "resumed.jsonl"))
+    assert [r["step"] for r in first] == list(range(6))
+    assert [r["step"] for r in after] == list(range(6, 12))
+    for a, b in zip(straight, first + after):  # batches, LR, losses, tokens seen: identical
+        assert (a["step"], a["batch"], a["lr"], a["tokens_seen"]) == \
+               (b["step"], b["batch"], b["lr"], b["tokens_seen"])
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run):
+    tmp = killed_run
+    resumed = run_cli(*RESUME, "--trainer.max_steps", "9", "--data.batch_size", "8",
+                      "--trainer.default_root_dir", str(tmp / "run"),
+                      *batch_log(tmp / "bs8.jsonl"), "--ckpt_path",
+                      str(tmp / "run" / "checkpoints" / "step-0000006.ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = [s for r in records(tmp / "straight.jsonl") for s in r["samples"]]
+    after = [s for r in records(tmp / "bs8.jsonl") for s in r["samples"]]
+    assert after == straight[24:48]  # samples 24.. of the stream: nothing replayed or skipped
+
+
+def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    message = fit_error(capsys, "--trainer.default_root_dir", str(killed_run / "other"),
+                        "--model.config.block_size", "64", "--ckpt_path",
+                        str(killed_run / "run" / "checkpoints" / "step-0000006.ckpt"))
+    assert "block_size=64 but the checkpoint was trained with block_size=128" in message
+
+
+def test_data_state_mismatch_names_the_field():
+    from fp8_lightning.config import ConfigError
+    from fp8_lightning.data import TokenShardDataModule
+
+    data = TokenShardDataModule(seq_len=64, batch_size=4)
+    state = dict(TokenShardDataModule(seq_len=128, batch_size=4).state_dict(), seed=7)
+    with pytest.raises(ConfigError, match=r"(?s)data.seq_len=64 but the checkpoint was trained "
+                                          r"with 128 .*data.seed=42 but .* with 7"):
+        data.load_state_dict(state)
