@@ -134,6 +134,7 @@ class Checkpoint(ModelCheckpoint):
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"Checkpoint.keep_last={keep_last!r} must be an integer >= 0")
         self.keep_last = keep_last
+        self._last_ckpt_step: Optional[int] = None
 
     def _use_default_dir(self, trainer: L.Trainer) -> None:
         if self.dirpath is None:
@@ -173,12 +174,13 @@ class Checkpoint(ModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # ModelCheckpoint writes last.ckpt at the end only if it never wrote one; we want the end
         # state whenever it is newer than the last write.
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
+        if self.save_last and self._last_ckpt_step != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_ckpt_step = trainer.global_step
         if self.keep_last and trainer.is_global_zero and self.last_model_path:
             self._keep(Path(self.last_model_path), trainer.global_step)
 
