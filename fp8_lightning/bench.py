@@ -115,8 +115,9 @@ def _section(parent: dict, key: str, where: str) -> dict:
     return value.get("init_args", value) if "class_path" in value else value
 
 
-def load_run_config(path: str) -> RunConfig:
-    """Read a ``fit`` YAML (``configs/*.yaml``) into a :class:`RunConfig`."""
+def load_run_config(path: str, model: Optional[str] = None) -> RunConfig:
+    """Read a ``fit`` YAML (``configs/*.yaml``) into a :class:`RunConfig`; ``model`` replaces
+    its ``model.config.name`` (a preset; the config's other model fields still apply)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
@@ -125,7 +126,7 @@ def load_run_config(path: str) -> RunConfig:
         raise ConfigError([f"not valid YAML: {err}"], path) from None
     if not isinstance(raw, dict):
         raise ConfigError(["the top level must be a mapping (trainer:, model:, data:)"], path)
-    model = _section(raw, "model", "")
+    model_args = _section(raw, "model", "")
     data = _section(raw, "data", "")
     trainer = _section(raw, "trainer", "")
     plugins = trainer.get("plugins") or []
@@ -134,14 +135,16 @@ def load_run_config(path: str) -> RunConfig:
         name = plugin.get("class_path", "") if isinstance(plugin, dict) else str(plugin)
         if name.split(".")[-1] == "FP8Precision":
             fp8 = dict(plugin.get("init_args") or {}) if isinstance(plugin, dict) else {}
-    config = model.get("config") or {}
+    config = model_args.get("config") or {}
     if isinstance(config, dict) and "class_path" in config:
         config = config.get("init_args") or {}
     if not isinstance(config, dict):
         raise ConfigError([f"model.config must be a mapping of GPTConfig fields, got {config!r}"],
                           path)
-    return RunConfig(path=path, model=dict(config), batch_size=data.get("batch_size", 8),
-                     backend=model.get("backend", "auto"), attention=model.get("attention", "sdpa"),
+    config = dict(config, **({"name": model} if model else {}))
+    return RunConfig(path=path, model=config, batch_size=data.get("batch_size", 8),
+                     backend=model_args.get("backend", "auto"),
+                     attention=model_args.get("attention", "sdpa"),
                      fp8=fp8)
 
 
@@ -259,7 +262,8 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device)
-    with torch.device(device):  # the torch backend builds in place (TE builds on CUDA anyway)
+    # The torch backend builds in place; TE modules are built on CUDA by the layer factory.
+    with torch.device(device) if variant.backend == "torch" else nullcontext():
         model = GPT(config, backend=variant.backend, attention=variant.attention)
     plugin = None
     if variant.recipe is not None:
@@ -441,10 +445,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def bench(config: str, variants: Union[list[str], str, None] = None, steps: int = 20, warmup: int = 5,
-          batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-          n_layer: Optional[int] = None, baseline: Optional[str] = None,
-          output_dir: str = "bench_out", seed: int = 0) -> dict[str, Any]:
+def bench(config: str, variants: Union[list[str], str, None] = None, steps: int = 20,
+          warmup: int = 5, model: Optional[str] = None, batch_size: Optional[int] = None,
+          seq_len: Optional[int] = None, n_layer: Optional[int] = None,
+          baseline: Optional[str] = None, output_dir: str = "bench_out",
+          seed: int = 0) -> dict[str, Any]:
     """Time training-step variants of a config's model and report tok/s, MFU, memory, speedup.
 
     Args:
@@ -455,6 +460,7 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
             here are listed as skipped with the reason.
         steps: timed training steps per variant.
         warmup: untimed steps first (compilation, FP8 scale calibration, cuBLAS autotuning).
+        model: a preset replacing the config's ``model.config.name`` (e.g. ``gpt-1.3b``).
         batch_size: sequences per step (default: the config's ``data.batch_size``).
         seq_len: tokens per sequence (default: the model's ``block_size``).
         n_layer: cut the model to this many blocks (to fit big models on one GPU).
@@ -474,7 +480,7 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
             problems += err.problems
     if problems:
         raise ConfigError(problems, "bench --variants")
-    run = load_run_config(config)
+    run = load_run_config(config, model)
     model_config = run.gpt_config(n_layer=n_layer, seq_len=seq_len)
     batch_size = run.batch_size if batch_size is None else batch_size
     seq_len = model_config.block_size if seq_len is None else seq_len

@@ -33,7 +33,7 @@ from .config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
 from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, bf16_module_names, build_recipe_config, make_te_recipe, \
     recipe_available
 from .model import GPT
-from .te_support import MIN_FP8_CAPABILITY, gpu_fp8_capable, te_module, te_status
+from .te_support import MIN_FP8_CAPABILITY, te_module, te_status
 
 EXIT_OK, EXIT_FP8_UNUSABLE, EXIT_BAD_CONFIG = 0, 1, 2
 FP8_NEEDS = (f"FP8 needs an NVIDIA GPU with compute capability >= {MIN_FP8_CAPABILITY[0]}."
@@ -445,9 +445,9 @@ def suggest(pred: dict[str, Any], fp8: dict[str, Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- command
-def doctor(config: Optional[str] = None, probe: bool = True, batch_size: Optional[int] = None,
-           seq_len: Optional[int] = None, n_layer: Optional[int] = None, reps: int = 10,
-           output: Optional[str] = None) -> int:
+def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str] = None,
+           batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+           n_layer: Optional[int] = None, reps: int = 10, output: Optional[str] = None) -> int:
     """Check the environment, FP8 per recipe, a config, and whether FP8 will pay; returns the
     exit status (0 fine, 1 FP8 requested but unusable here, 2 config errors).
 
@@ -455,6 +455,7 @@ def doctor(config: Optional[str] = None, probe: bool = True, batch_size: Optiona
         config: a ``fit`` YAML to lint and probe (``configs/*.yaml``); without it only the
             environment and FP8 availability are reported.
         probe: time the model's GEMM shapes in BF16 and FP8 (needs an FP8 GPU with TE).
+        model: a preset replacing the config's ``model.config.name`` (e.g. ``gpt-1.3b``).
         batch_size: micro-batch for the lint and the probe (default: ``data.batch_size``).
         seq_len: sequence length (default: the model's ``block_size``).
         n_layer: cut the model to this many blocks (as ``bench --n_layer``) for the lint and the
@@ -462,12 +463,13 @@ def doctor(config: Optional[str] = None, probe: bool = True, batch_size: Optiona
         reps: timed repetitions per GEMM shape and recipe.
         output: also write the findings to this JSON file.
     """
-    run = load_run_config(config) if config else None
+    run = load_run_config(config, model) if config else None
     report: dict[str, Any] = {"env": report_environment()}
     result = lint(run, batch_size, seq_len, n_layer) if run else None
-    attn_config = result.config if result and result.config else GPTConfig()
-    report["attention"] = report_attention(attn_config, result.batch_size if result and result.config else 8,
-                                           result.seq_len if result and result.config else attn_config.block_size)
+    shape = result if result is not None and result.config is not None else None
+    attn_config = shape.config if shape else GPTConfig()  # gpt2's head shape without a config
+    report["attention"] = report_attention(attn_config, shape.batch_size if shape else 8,
+                                           shape.seq_len if shape else attn_config.block_size)
     recipes = report_recipes()
     report["recipes"] = {r: {"available": ok, "reason": why} for r, (ok, why) in recipes.items()}
     code, verdict = EXIT_OK, []
@@ -479,25 +481,25 @@ def doctor(config: Optional[str] = None, probe: bool = True, batch_size: Optiona
             verdict.append(f"the config has {len(result.problems)} error(s) (see the lint)")
     if run is not None and code == EXIT_OK:
         requested = (run.fp8 or {}).get("recipe", "delayed") if run.fp8 is not None else None
+        available = [r for r, (ok, _) in recipes.items() if ok]
         if requested is None:
             verdict.append("the config trains BF16 (no FP8Precision in trainer.plugins)")
-            if not gpu_fp8_capable()[0] or not te_status()[0]:
-                verdict.append(f"{FP8_NEEDS}; this machine cannot run FP8 "
-                               f"({gpu_fp8_capable()[1] if not gpu_fp8_capable()[0] else te_status()[1]}), "
-                               f"which this config does not need")
+            if not available:
+                verdict.append(f"{FP8_NEEDS}, which this machine lacks ({recipes['delayed'][1]}); "
+                               f"this config does not need it")
         else:
             ok, why = recipes[requested]
-            if ok and run.backend == "torch":
+            if not ok:
+                why = f"{why}. {FP8_NEEDS}"
+            elif run.backend == "torch":
                 ok, why = False, "model.backend is torch (no TransformerEngine layers); use auto or te"
             if ok:
                 verdict.append(f"FP8 {requested} is requested and can run here ({why})")
             else:
                 code = EXIT_FP8_UNUSABLE
-                fallback = run.fp8.get("on_unavailable", "fallback")
-                verdict.append(f"FP8 {requested} is requested but CANNOT run here: {why}. {FP8_NEEDS}. "
-                               + ("The run would fall back to BF16 (on_unavailable=fallback)."
-                                  if fallback == "fallback" else "The run would stop (on_unavailable=error)."))
-        available = [r for r, (ok, _) in recipes.items() if ok]
+                verdict.append(f"FP8 {requested} is requested but CANNOT run here: {why}. " + (
+                    "The run would stop (on_unavailable=error)." if run.fp8.get("on_unavailable") == "error"
+                    else "The run would fall back to BF16 (on_unavailable=fallback)."))
         if probe and available:
             report["probe"] = benefit_probe(run, result, available, reps=reps)
         elif probe:
