@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare} ...``.
+"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,checkpoints,bench,doctor} ...``.
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
 overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
@@ -7,15 +7,18 @@ signatures and docstrings jsonargparse turns into options and help.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningCLI
 
+from .bench import bench
 from .checkpoint import CheckpointError, checkpoints, load_checkpoint_file
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
+from .doctor import doctor
 from .module import GPTLightningModule
 from .safety import NonFiniteTrainingError
 
@@ -41,10 +44,16 @@ class FP8LightningCLI(LightningCLI):
             load_checkpoint_file(ckpt_path, mmap=True)
 
 
-def _run_function(fn: Callable, argv: list[str]) -> None:
-    from jsonargparse import auto_cli
+def _run_function(fn: Callable, argv: list[str]) -> Any:
+    from jsonargparse import ArgumentParser, auto_cli
 
-    auto_cli(fn, args=argv, as_positional=False, prog=f"python -m fp8_lightning {fn.__name__}")
+    prog = f"python -m fp8_lightning {fn.__name__}"
+    if "config" not in inspect.signature(fn).parameters:
+        return auto_cli(fn, args=argv, as_positional=False, prog=prog)
+    # auto_cli reserves `--config` for config files and drops a function's own `config` argument.
+    parser = ArgumentParser(prog=prog, description=inspect.getdoc(fn).split("\n\n")[0])
+    parser.add_function_arguments(fn, as_group=False)
+    return fn(**parser.parse_args(argv).as_dict())
 
 
 def prepare_command(argv: list[str]) -> None:
@@ -57,9 +66,19 @@ def checkpoints_command(argv: list[str]) -> None:
     _run_function(checkpoints, argv)
 
 
+def bench_command(argv: list[str]) -> None:
+    _run_function(bench, argv)
+
+
+def doctor_command(argv: list[str]) -> None:
+    raise SystemExit(_run_function(doctor, argv))
+
+
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
     "checkpoints": checkpoints_command,
+    "bench": bench_command,
+    "doctor": doctor_command,
 }
 
 

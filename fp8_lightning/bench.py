@@ -1,0 +1,527 @@
+"""``python -m fp8_lightning bench``: what FP8 buys on this GPU and this model, measured.
+
+Each variant trains the config's model for ``warmup + steps`` plain training steps (forward, fp32
+cross-entropy, backward, AdamW) on synthetic random tokens that are already on the device: data
+loading is excluded. Timing uses CUDA events around the ``steps`` timed steps (wall clock on CPU).
+FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are against the baseline
+(default: the first variant that ran, ``torch-compile`` in the default list).
+
+Variants are ``<base>[-bf16ends][-te-attn]``:
+
+* ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
+  ``torch.compile`` (model + loss): the strong plain-PyTorch baseline.
+* ``te-bf16``: the TransformerEngine backend in BF16 autocast.
+* ``fp8-<recipe>`` (``delayed``, ``current``, ``block``, ``mxfp8``): the TE backend through
+  :class:`~fp8_lightning.fp8.FP8Precision` exactly as training runs it, with the config's layer
+  policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for the config's own recipe, its fields.
+* ``-bf16ends``: the layer policy keeps the first and last block BF16 (FP8 variants only).
+* ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
+
+All variants keep fp32 master weights (``bf16-mixed``), whatever the config's ``weights``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from .config import ConfigError, GPTConfig, check_micro_batch
+from .flops import flops_per_token, mfu, peak_for
+from .fp8 import RECIPES, FP8Precision, recipe_available
+from .model import GPT
+from .te_support import te_status, te_version
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VARIANTS = ["torch-compile", "torch-eager", "te-bf16", "fp8-delayed", "fp8-current",
+                    "fp8-block", "fp8-mxfp8", "te-bf16-te-attn", "fp8-delayed-te-attn",
+                    "fp8-delayed-bf16ends"]
+# base name -> (backend, FP8 recipe or None, torch.compile)
+BASES: dict[str, tuple[str, Optional[str], bool]] = {
+    "torch-eager": ("torch", None, False),
+    "torch-compile": ("torch", None, True),
+    "te-bf16": ("te", None, False),
+    **{f"fp8-{r}": ("te", r, False) for r in RECIPES},
+}
+SUFFIXES = ("-bf16ends", "-te-attn")
+METHOD = ("synthetic random tokens already on the device (data loading excluded); per step: "
+          "forward, fp32 cross-entropy, backward, AdamW (fused on CUDA), zero_grad; fp32 master "
+          "weights with BF16 autocast; FP8 variants wrap the forward in te.autocast through "
+          "FP8Precision; timing: CUDA events over the timed steps after warm-up; FLOPs/token: "
+          "fp8_lightning.flops (6 * N_matmul + 12 * n_layer * seq * n_embd); MFU vs the dense "
+          "BF16 peak")
+
+
+# --------------------------------------------------------------------------------- run config
+@dataclass
+class RunConfig:
+    """The parts of a ``fit`` YAML that the bench and the doctor need.
+
+    Args:
+        path: the YAML file.
+        model: ``model.config`` (``GPTConfig`` fields).
+        batch_size: ``data.batch_size``.
+        backend: ``model.backend``.
+        attention: ``model.attention``.
+        fp8: the ``FP8Precision`` ``init_args`` when ``trainer.plugins`` has it, else ``None``.
+    """
+
+    path: str
+    model: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 8
+    backend: str = "auto"
+    attention: str = "sdpa"
+    fp8: Optional[dict[str, Any]] = None
+
+    def gpt_config(self, n_layer: Optional[int] = None, seq_len: Optional[int] = None) -> GPTConfig:
+        """The model config, optionally cut to ``n_layer`` blocks; ``block_size`` grows to
+        ``seq_len`` when that is longer."""
+        valid = {f.name for f in fields(GPTConfig)}
+        unknown = sorted(set(self.model) - valid)
+        if unknown:
+            raise ConfigError([f"model.config.{k} is not a GPTConfig field; valid: "
+                               f"{', '.join(sorted(valid))}" for k in unknown], self.path)
+        overrides = dict(self.model)
+        if n_layer is not None:
+            overrides["n_layer"] = n_layer
+        config = GPTConfig(**overrides)
+        if seq_len is not None and seq_len > config.block_size:
+            overrides["block_size"] = seq_len
+            config = GPTConfig(**overrides)
+        return config
+
+
+def _section(parent: dict, key: str, where: str) -> dict:
+    value = parent.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError([f"{where}{key} must be a mapping, got {type(value).__name__}"])
+    return value.get("init_args", value) if "class_path" in value else value
+
+
+def load_run_config(path: str, model: Optional[str] = None) -> RunConfig:
+    """Read a ``fit`` YAML (``configs/*.yaml``) into a :class:`RunConfig`; ``model`` replaces
+    its ``model.config.name`` (a preset; the config's other model fields still apply)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], path) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["the top level must be a mapping (trainer:, model:, data:)"], path)
+    model_args = _section(raw, "model", "")
+    data = _section(raw, "data", "")
+    trainer = _section(raw, "trainer", "")
+    plugins = trainer.get("plugins") or []
+    fp8 = None
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        name = plugin.get("class_path", "") if isinstance(plugin, dict) else str(plugin)
+        if name.split(".")[-1] == "FP8Precision":
+            fp8 = dict(plugin.get("init_args") or {}) if isinstance(plugin, dict) else {}
+    config = model_args.get("config") or {}
+    if isinstance(config, dict) and "class_path" in config:
+        config = config.get("init_args") or {}
+    if not isinstance(config, dict):
+        raise ConfigError([f"model.config must be a mapping of GPTConfig fields, got {config!r}"],
+                          path)
+    config = dict(config, **({"name": model} if model else {}))
+    return RunConfig(path=path, model=config, batch_size=data.get("batch_size", 8),
+                     backend=model_args.get("backend", "auto"),
+                     attention=model_args.get("attention", "sdpa"),
+                     fp8=fp8)
+
+
+# --------------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    """One bench variant (see the module docstring for the names)."""
+
+    name: str
+    backend: str
+    recipe: Optional[str] = None
+    compile: bool = False
+    attention: str = "sdpa"
+    bf16_ends: bool = False
+
+
+def parse_variant(name: str) -> Variant:
+    """``fp8-delayed-bf16ends-te-attn`` -> ``Variant``; a bad name raises one ``ConfigError``."""
+    base, flags = name, set()
+    for suffix in SUFFIXES * 2:  # suffixes in any order
+        if base.endswith(suffix):
+            base, flags = base[: -len(suffix)], flags | {suffix}
+    problems = []
+    if base not in BASES:
+        problems.append(f"variant {name!r}; valid: {', '.join(BASES)}, optionally followed by "
+                        f"-bf16ends (FP8 variants) and/or -te-attn (TE variants)")
+    else:
+        backend, recipe, compiled = BASES[base]
+        if "-te-attn" in flags and backend != "te":
+            problems.append(f"variant {name!r}: -te-attn needs a TE variant (te-bf16, fp8-*)")
+        if "-bf16ends" in flags and recipe is None:
+            problems.append(f"variant {name!r}: -bf16ends needs an FP8 variant (fp8-*)")
+    if problems:
+        raise ConfigError(problems, "bench --variants")
+    return Variant(name, backend, recipe, compiled, "te" if "-te-attn" in flags else "sdpa",
+                   "-bf16ends" in flags)
+
+
+def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
+    """``FP8Precision`` arguments for an FP8 variant: the config's layer policy, its recipe fields
+    when the variant runs the config's recipe, and ``on_unavailable="error"``."""
+    cfg = dict(run.fp8 or {})
+    args: dict[str, Any] = {k: cfg[k] for k in ("fp8_lm_head", "bf16_first_layers",
+                                                "bf16_last_layers") if k in cfg}
+    if cfg.get("recipe", "delayed") == variant.recipe:
+        args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe][1]})
+    if variant.bf16_ends:
+        args.update(bf16_first_layers=1, bf16_last_layers=1)
+    return dict(args, recipe=variant.recipe, weights="bf16-mixed", on_unavailable="error")
+
+
+def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str]:
+    """Why ``variant`` cannot run here, or ``None``."""
+    if variant.backend == "te":
+        ok, reason = te_status()
+        if not ok:
+            return reason
+    if variant.recipe is not None:
+        ok, reason = recipe_available(variant.recipe)
+        if not ok:
+            return reason
+        try:
+            check_micro_batch(batch_size, seq_len, field="batch_size")
+        except ConfigError as err:
+            return "; ".join(err.problems)
+    if variant.compile:
+        try:
+            import torch._dynamo
+
+            if not torch._dynamo.is_dynamo_supported():
+                return "torch.compile is not supported on this platform"
+        except Exception as err:  # noqa: BLE001 - any failure to import dynamo is a reason
+            return f"torch.compile unavailable: {type(err).__name__}: {err}"
+    return None
+
+
+# --------------------------------------------------------------------------------- one variant
+def forward_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32 (as ``GPTLightningModule`` computes it)."""
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+class _Timer:
+    """CUDA events on a GPU, ``perf_counter`` on CPU; milliseconds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.start_event.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end_event.record()
+            self.end_event.synchronize()
+            return self.start_event.elapsed_time(self.end_event)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
+                steps: int, warmup: int, device: torch.device,
+                fp8_args: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
+    """Time ``steps`` training steps after ``warmup`` ones; returns the variant's figures.
+
+    Raises whatever the step raises (``torch.OutOfMemoryError`` included): :func:`bench` records it.
+    """
+    torch.manual_seed(seed)
+    start_mem = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        start_mem = torch.cuda.memory_allocated(device)
+    # The torch backend builds in place; TE modules are built on CUDA by the layer factory.
+    with torch.device(device) if variant.backend == "torch" else nullcontext():
+        model = GPT(config, backend=variant.backend, attention=variant.attention)
+    plugin = None
+    if variant.recipe is not None:
+        plugin = FP8Precision(**fp8_args)
+        model = plugin.convert_module(model)
+        context: Callable[[], Any] = plugin.train_step_context
+    else:
+        context = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    loss_fn = torch.compile(forward_loss) if variant.compile else forward_loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> torch.Tensor:
+        with context():
+            loss = loss_fn(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    timer = _Timer(device)
+    timer.start()
+    for _ in range(steps):
+        loss = step()
+    ms = timer.stop() / steps
+    result: dict[str, Any] = {"loss": loss.item()}
+    if plugin is not None:
+        result["precision"] = plugin.tag
+        result["bf16_modules"] = sorted(plugin.bf16_modules)
+        if not plugin.fp8_active:
+            return {**result, "status": "skipped", "reason": f"FP8 did not run: {plugin.reason}"}
+    else:
+        result["precision"] = "BF16" + (" (torch.compile)" if variant.compile else "")
+    tok_s = batch_size * seq_len / (ms / 1e3)
+    flops = flops_per_token(config, seq_len)
+    peak = peak_for(device_name(device))
+    result.update(status="ran", ms_per_step=ms, tokens_per_s=tok_s, tflops=tok_s * flops / 1e12,
+                  mfu=mfu(tok_s, flops, peak.bf16 if peak else None),
+                  peak_mem_gib=((torch.cuda.max_memory_allocated(device) - start_mem) / 2**30
+                                if device.type == "cuda" else None))
+    if not math.isfinite(result["loss"]):
+        result.update(status="failed", reason=f"loss is {result['loss']}", loss=None)
+    return result
+
+
+def measure(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
+            steps: int, warmup: int, device: torch.device,
+            fp8_args: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
+    """:func:`run_variant` that never raises: out of memory is a skip, any other error a
+    failure with its reason; the variant's memory is freed before returning."""
+    try:
+        result = run_variant(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
+                             device=device, fp8_args=fp8_args, seed=seed)
+    except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the table
+        message = str(err).strip().splitlines()
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+            result = {"status": "skipped", "reason": "out of memory"}
+        else:
+            log.warning("bench variant %s failed", variant.name, exc_info=True)
+            result = {"status": "failed",
+                      "reason": f"{type(err).__name__}: {message[0] if message else ''}"}
+    if variant.compile:
+        torch._dynamo.reset()
+    free_memory(device)
+    return {"variant": variant.name, "backend": variant.backend, "attention": variant.attention,
+            **result}
+
+
+def free_memory(device: torch.device) -> None:
+    """Release what the last variant left: Python garbage, the CUDA cache and TE's global FP8
+    state (its delayed-scaling amax buffers keep references to every FP8 module they saw)."""
+    gc.collect()
+    if device.type == "cuda":
+        if te_status()[0]:
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+            FP8GlobalStateManager.reset()
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------- environment
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def git_commit() -> Optional[str]:
+    """The package's git commit (``+dirty`` with uncommitted changes), if it is a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        if commit.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("__main__.py", "fp8-lightning")):
+        argv = ["python -m fp8_lightning", *argv[1:]]
+    return " ".join(argv)
+
+
+def environment(device: Optional[torch.device] = None) -> dict[str, Any]:
+    """Device, software versions, date, git commit and command line (goes into ``bench.json``)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "device": device_name(device), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformer_engine": te_version(), "git_commit": git_commit(),
+           "command": command_line()}
+    if device.type == "cuda":
+        env["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability(device)
+    return env
+
+
+# --------------------------------------------------------------------------------- report
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The printed table: ran variants, then skipped/failed ones with their reasons."""
+    s = report["setup"]
+    lines = [f"bench: {s['model']} ({s['n_layer']} layers), batch {s['batch_size']} x seq "
+             f"{s['seq_len']}, {s['warmup']} warm-up + {s['steps']} timed steps, on "
+             f"{report['env']['device']}; speedup vs {report['baseline'] or '-'}",
+             f"{'variant':<26}{'precision':<22}{'tok/s':>12}{'ms/step':>10}{'TFLOP/s':>9}"
+             f"{'MFU':>7}{'peak GiB':>9}{'speedup':>9}"]
+    skipped = []
+    for r in report["results"]:
+        if r["status"] != "ran":
+            skipped.append(f"  {r['variant']}: {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"{r['variant']:<26}{r['precision'][:21]:<22}{r['tokens_per_s']:>12,.0f}"
+                     f"{r['ms_per_step']:>10.2f}{r['tflops']:>9.2f}"
+                     f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%'):>7}"
+                     f"{_fmt(r['peak_mem_gib'], '.2f'):>9}{_fmt(r.get('speedup'), '.2f', 'x'):>9}")
+    if skipped:
+        lines += ["not run:", *skipped]
+    lines.append(f"method: {METHOD}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Bar chart of tokens/s per variant (speedup vs the baseline on each bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in report["results"] if r["status"] == "ran"]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * max(len(ran), 1) + 1.5))
+    names = [r["variant"] for r in ran]
+    values = [r["tokens_per_s"] for r in ran]
+    bars = ax.barh(names, values, color=["tab:orange" if r["variant"].startswith("fp8") else
+                                         "tab:blue" for r in ran])
+    for bar, r in zip(bars, ran):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {r['speedup']:.2f}x", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens / s (training, synthetic tokens)")
+    s = report["setup"]
+    ax.set_title(f"{s['model']} ({s['n_layer']} layers), {s['batch_size']} x {s['seq_len']} on "
+                 f"{report['env']['device']}", fontsize=9)
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench(config: str, variants: Union[list[str], str, None] = None, steps: int = 20,
+          warmup: int = 5, model: Optional[str] = None, batch_size: Optional[int] = None,
+          seq_len: Optional[int] = None, n_layer: Optional[int] = None,
+          baseline: Optional[str] = None, output_dir: str = "bench_out",
+          seed: int = 0) -> dict[str, Any]:
+    """Time training-step variants of a config's model and report tok/s, MFU, memory, speedup.
+
+    Args:
+        config: a ``fit`` YAML (``configs/*.yaml``): model, ``data.batch_size``, FP8 plugin args.
+        variants: variants to run, in order (comma-separated or a list); default: all of
+            torch-compile, torch-eager, te-bf16, fp8-delayed, fp8-current, fp8-block, fp8-mxfp8,
+            te-bf16-te-attn, fp8-delayed-te-attn, fp8-delayed-bf16ends. Those that cannot run
+            here are listed as skipped with the reason.
+        steps: timed training steps per variant.
+        warmup: untimed steps first (compilation, FP8 scale calibration, cuBLAS autotuning).
+        model: a preset replacing the config's ``model.config.name`` (e.g. ``gpt-1.3b``).
+        batch_size: sequences per step (default: the config's ``data.batch_size``).
+        seq_len: tokens per sequence (default: the model's ``block_size``).
+        n_layer: cut the model to this many blocks (to fit big models on one GPU).
+        baseline: the variant speedups are relative to (default: the first that ran).
+        output_dir: where ``bench.json`` and ``bench.png`` go.
+        seed: seed for the weights and the synthetic tokens.
+    """
+    names = DEFAULT_VARIANTS if not variants else variants
+    if isinstance(names, str):
+        names = [names]
+    names = [n.strip() for item in names for n in item.split(",") if n.strip()]
+    parsed, problems = [], []
+    for name in names:
+        try:
+            parsed.append(parse_variant(name))
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems, "bench --variants")
+    run = load_run_config(config, model)
+    model_config = run.gpt_config(n_layer=n_layer, seq_len=seq_len)
+    batch_size = run.batch_size if batch_size is None else batch_size
+    seq_len = model_config.block_size if seq_len is None else seq_len
+    problems += [f"{k}={v!r} must be a positive integer" for k, v in
+                (("steps", steps), ("warmup", warmup), ("batch_size", batch_size),
+                 ("seq_len", seq_len)) if not isinstance(v, int) or v < 1]
+    if baseline is not None and baseline not in names:
+        problems.append(f"baseline={baseline!r} is not among the variants: {', '.join(names)}")
+    if problems:
+        raise ConfigError(problems, "bench")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for variant in parsed:
+        reason = skip_reason(variant, batch_size, seq_len)
+        if reason is not None:
+            results.append({"variant": variant.name, "status": "skipped", "reason": reason})
+            log.info("bench %s: skipped (%s)", variant.name, reason)
+            continue
+        log.info("bench %s: %d warm-up + %d steps", variant.name, warmup, steps)
+        fp8_args = fp8_plugin_args(run, variant) if variant.recipe else None
+        results.append(measure(variant, model_config, batch_size, seq_len, steps=steps,
+                               warmup=warmup, device=device, fp8_args=fp8_args, seed=seed))
+    ran = {r["variant"]: r for r in results if r["status"] == "ran"}
+    base = baseline if baseline in ran else next(iter(ran), None)
+    if baseline is not None and base != baseline:
+        log.warning("baseline %s did not run; speedups are vs %s", baseline, base)
+    for r in ran.values():
+        r["speedup"] = ran[base]["ms_per_step"] / r["ms_per_step"]
+    report = {"env": environment(device), "method": METHOD, "baseline": base,
+              "setup": {"config": config, "model": model_config.name, "n_layer": model_config.n_layer,
+                        "batch_size": batch_size, "seq_len": seq_len, "steps": steps,
+                        "warmup": warmup, "flops_per_token": flops_per_token(model_config, seq_len),
+                        "model_config": model_config.to_dict()},
+              "results": results}
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    if ran:
+        plot(report, out / "bench.png")
+    if rank_zero_only.rank == 0:
+        print(format_table(report))
+        print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if ran else ""))
+    return report

@@ -1,0 +1,104 @@
+"""``bench`` on CPU: the torch variants really run on the tiny quickstart model."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8_lightning.bench import DEFAULT_VARIANTS, bench, fp8_plugin_args, load_run_config, \
+    parse_variant
+from fp8_lightning.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def cli_bench(tmp_path_factory):
+    """One CLI run: the eager torch variant plus TE/FP8 variants that cannot run on CPU.
+
+    torch-compile is left to the GPU test: a cold inductor compile costs 30-60 s on a 2-core CPU.
+    """
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "fp8_lightning", "bench", "--config", QUICKSTART,
+         "--variants", "torch-eager,te-bf16,fp8-delayed,fp8-delayed-bf16ends-te-attn",
+         "--steps", "3", "--warmup", "2", "--batch_size", "2", "--seq_len", "64",
+         "--output_dir", str(out)],
+        cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
+    out, result = cli_bench
+    report = json.loads((out / "bench.json").read_text())
+    assert report["baseline"] == "torch-eager"
+    assert report["env"]["device"].startswith("CPU") and report["env"]["torch"]
+    assert report["setup"]["batch_size"] == 2 and report["setup"]["seq_len"] == 64
+    ran = {r["variant"]: r for r in report["results"] if r["status"] == "ran"}
+    assert set(ran) == {"torch-eager"}
+    for r in ran.values():
+        for key in ("tokens_per_s", "ms_per_step", "tflops", "speedup", "loss"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["tokens_per_s"] == pytest.approx(2 * 64 / (r["ms_per_step"] / 1e3))
+        assert r["mfu"] is None and r["peak_mem_gib"] is None  # no GPU peak / CUDA memory on CPU
+    assert ran["torch-eager"]["speedup"] == 1.0
+    skipped = {r["variant"]: r["reason"] for r in report["results"] if r["status"] == "skipped"}
+    assert set(skipped) == {"te-bf16", "fp8-delayed", "fp8-delayed-bf16ends-te-attn"}
+    assert all("TransformerEngine" in why for why in skipped.values())
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = result.stdout
+    for text in ("tok/s", "ms/step", "TFLOP/s", "MFU", "peak GiB", "speedup", "torch-eager", "not run:", "fp8-delayed: skipped: TransformerEngine",
+                 "data loading excluded"):
+        assert text in table, text
+
+
+def test_variant_names():
+    v = parse_variant("fp8-current-bf16ends-te-attn")
+    assert (v.backend, v.recipe, v.attention, v.bf16_ends, v.compile) == ("te", "current", "te", True, False)
+    assert parse_variant("torch-compile").compile
+    assert all(parse_variant(name) for name in DEFAULT_VARIANTS)
+    for bad, message in (("fp9-delayed", "valid: torch-eager"),
+                         ("torch-eager-te-attn", "-te-attn needs a TE variant"),
+                         ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant")):
+        with pytest.raises(ConfigError, match=message):
+            parse_variant(bad)
+
+
+def test_fp8_variants_take_the_config_policy_and_own_recipe_fields():
+    run = load_run_config(str(ROOT / "configs" / "gpt2_fp8.yaml"))
+    delayed = fp8_plugin_args(run, parse_variant("fp8-delayed-bf16ends"))
+    assert delayed["amax_history_len"] == 1024 and delayed["fp8_lm_head"] is False
+    assert delayed["bf16_first_layers"] == delayed["bf16_last_layers"] == 1
+    block = fp8_plugin_args(run, parse_variant("fp8-block"))
+    assert "amax_history_len" not in block and "fp8_format" not in block  # block's own defaults
+    assert block["on_unavailable"] == "error" and block["weights"] == "bf16-mixed"
+
+
+def test_bench_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        bench(QUICKSTART, variants=["torch-eager", "nope", "te-bf16-bf16ends"], steps=0,
+              output_dir=str(tmp_path))
+    assert "'nope'" in str(err.value) and "te-bf16-bf16ends" in str(err.value)
+    with pytest.raises(ConfigError, match="steps=0 must be a positive integer"):
+        bench(QUICKSTART, variants="torch-eager", steps=0, output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="baseline='te-bf16' is not among"):
+        bench(QUICKSTART, variants="torch-eager", baseline="te-bf16", output_dir=str(tmp_path))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  config:\n    name: tiny\n    n_embed: 64\n")
+    with pytest.raises(ConfigError, match="model.config.n_embed is not a GPTConfig field"):
+        bench(str(bad), variants="torch-eager", output_dir=str(tmp_path))
+
+
+def test_bench_cuts_layers_and_grows_block_size(tmp_path):
+    report = bench(QUICKSTART, variants="torch-eager", steps=1, warmup=1, batch_size=1,
+                   seq_len=160, n_layer=1, output_dir=str(tmp_path))
+    setup = report["setup"]
+    assert setup["n_layer"] == 1 and setup["model_config"]["block_size"] == 160
+    assert report["results"][0]["status"] == "ran"
