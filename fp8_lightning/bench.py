@@ -480,6 +480,9 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
             problems += err.problems
     if problems:
         raise ConfigError(problems, "bench --variants")
+    # Import TE before any variant touches CUDA: imported after torch.compile has run, TE's core
+    # library bound a second cuDNN on the GPU machine (libcudnn_cnn.so.9: undefined symbol).
+    te_status()
     run = load_run_config(config, model)
     model_config = run.gpt_config(n_layer=n_layer, seq_len=seq_len)
     batch_size = run.batch_size if batch_size is None else batch_size

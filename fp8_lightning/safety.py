@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from typing import Any, Literal, Optional
 
@@ -60,8 +61,9 @@ class NaNGuard(Callback):
         bf16_steps: BF16 steps after an FP8 incident before FP8 is re-enabled with fresh
             scaling state; 0 keeps BF16 for the rest of the run.
         max_fp8_incidents: after this many FP8 incidents FP8 stays off for the rest of the run.
-        rollback: ``memory`` (snapshot of weights and optimizer state in host memory, taken every
-            ``snapshot_every`` clean steps; costs 3x the fp32 weights in host RAM), ``checkpoint``
+        rollback: ``memory`` (snapshot of weights and optimizer state in pinned host memory, the
+            first at the first clean check, then every ``snapshot_every`` steps; costs 3x the
+            fp32 weights in host RAM: use ``checkpoint`` for large models), ``checkpoint``
             (reload the newest ``last.ckpt`` written before the incident) or ``none``.
         snapshot_every: steps between in-memory snapshots (rounded up to ``check_every``).
         check_every: steps between host reads of the flags (default: the Trainer's
@@ -101,6 +103,7 @@ class NaNGuard(Callback):
         self._device_skip = True
         self._snapshot: Optional[dict[str, Any]] = None
         self._snapshot_step: Optional[int] = None
+        self.snapshot_ms: Optional[float] = None  # wall time of the last snapshot
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -119,8 +122,6 @@ class NaNGuard(Callback):
         self._flags = torch.zeros(self.check_every, dtype=torch.bool, device=device)
         self._pending = []
         self._bad_recent.clear()
-        if self.rollback == "memory":
-            self._take_snapshot(trainer, pl_module)
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -248,6 +249,8 @@ class NaNGuard(Callback):
 
     @torch.no_grad()
     def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Copy weights and optimizer state into host buffers (pinned, allocated once)."""
+        start = time.perf_counter()
         tensors = self._tensors(trainer, pl_module)
         snap = self._snapshot
         if snap is None or len(snap["host"]) != len(tensors) or any(
@@ -259,6 +262,7 @@ class NaNGuard(Callback):
         if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()
         self._snapshot, self._snapshot_step = snap, trainer.global_step
+        self.snapshot_ms = (time.perf_counter() - start) * 1e3
 
     @torch.no_grad()
     def _load_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -64,7 +64,7 @@ def test_bench_runs_every_variant_or_says_why(bench_report):
 
 
 def test_bench_cli_on_gpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
         [sys.executable, "-m", "fp8_lightning", "bench", "--config", GPT2_FP8, "--variants",
          "te-bf16,fp8-delayed", "--steps", "3", "--warmup", "2", "--n_layer", "2",

@@ -84,23 +84,34 @@ class WallClock(L.Callback):
 
 
 def test_guard_overhead_at_gpt2_124m(capsys):
-    """GPT-2 124M, FP8 delayed, 8 x 1024 tokens: ms/step with and without the guard, ABAB."""
+    """GPT-2 124M, FP8 delayed, 8 x 1024 tokens: ms/step with and without the guard, ABAB.
+
+    The guard runs with its defaults (flags read every log_every_n_steps=50 steps, snapshot
+    every 500): the timed window (steps 60-180) holds two flag reads and no snapshot; the cost
+    of one snapshot (the first, at step 50) is measured separately and amortised over 500 steps.
+    """
     data = synthetic(8 * 200, 1024)
-    results = {"off": [], "on": []}
+    results, snapshot_ms = {"off": [], "on": []}, []
     for run in ("off", "on", "off", "on"):
         L.seed_everything(0)
         module = GPTLightningModule(config=GPTConfig.from_name("gpt2"), warmup_steps=10,
                                     lr_decay_steps=1000)
-        clock = WallClock(start=30)
-        callbacks = [clock] + ([NaNGuard(snapshot_every=50)] if run == "on" else [])
-        trainer = trainer_for(130, callbacks, FP8Precision(recipe="delayed"), log_every=50)
+        clock = WallClock(start=60)
+        guard = NaNGuard()
+        callbacks = [clock] + ([guard] if run == "on" else [])
+        trainer = trainer_for(180, callbacks, FP8Precision(recipe="delayed"), log_every=50)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8, pin_memory=True))
         assert trainer.precision_plugin.fp8_active
         results[run].append(clock.ms)
+        if run == "on":
+            snapshot_ms.append(guard.snapshot_ms)
     off, on = min(results["off"]), min(results["on"])
     overhead = on / off - 1
+    amortised = min(snapshot_ms) / (500 * off)
     with capsys.disabled():
-        print(f"\n[guard overhead] GPT-2 124M FP8 delayed, 8x1024 tok/step, {torch.cuda.get_device_name()}:"
-              f" off {results['off']} ms/step, on {results['on']} ms/step -> {overhead:+.2%} "
-              "(best of 2 each; guard: flags read every 50 steps, snapshot every 50)")
+        print(f"\n[guard overhead] GPT-2 124M FP8 delayed, 8x1024 tok/step, "
+              f"{torch.cuda.get_device_name()}: off {[round(x, 2) for x in results['off']]} ms/step, "
+              f"on {[round(x, 2) for x in results['on']]} ms/step -> per-step {overhead:+.2%} (best "
+              f"of 2 each); snapshot (weights + AdamW state, pinned, first one allocates) "
+              f"{[round(x, 1) for x in snapshot_ms]} ms -> {amortised:.2%} amortised over 500 steps")
     assert overhead < 0.02, overhead  # target < 1%; 2% leaves room for a shared machine's noise
