@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare} ...``.
+"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,generate,compare} ...``.
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
 overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -29,18 +29,32 @@ class FP8LightningCLI(LightningCLI):
                               apply_on="instantiate")
 
 
-def _run_function(fn: Callable, argv: list[str]) -> None:
+def _run_function(fn: Callable, argv: list[str]) -> Any:
     from jsonargparse import auto_cli
 
-    auto_cli(fn, args=argv, as_positional=False, prog=f"python -m fp8_lightning {fn.__name__}")
+    return auto_cli(fn, args=argv, as_positional=False, prog=f"python -m fp8_lightning {fn.__name__}")
 
 
 def prepare_command(argv: list[str]) -> None:
     _run_function(prepare, argv)
 
 
+def generate_command(argv: list[str]) -> None:
+    from .generate import generate
+
+    print(_run_function(generate, argv))
+
+
+def compare_command(argv: list[str]) -> None:
+    from .compare import main as compare_main
+
+    compare_main(argv)
+
+
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
+    "generate": generate_command,
+    "compare": compare_command,
 }
 
 
