@@ -3,10 +3,13 @@
 from .checkpoint import AtomicCheckpointIO, Checkpoint, CheckpointError
 from .config import PRESETS, ConfigError, GPTConfig
 from .fp8 import FP8Precision
+from .fp8_stats import FP8Stats
 from .model import GPT
+from .fp8_stats import FP8Stats
+from .monitor import TrainingMonitor
 from .safety import FaultInjection, NaNGuard, NonFiniteTrainingError
 
 __version__ = "0.1.0"
 __all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "ConfigError", "FP8Precision",
-           "FaultInjection", "GPT", "GPTConfig", "NaNGuard", "NonFiniteTrainingError", "PRESETS",
-           "__version__"]
+           "FP8Stats", "FaultInjection", "GPT", "GPTConfig", "NaNGuard", "NonFiniteTrainingError",
+           "PRESETS", "TrainingMonitor", "__version__"]

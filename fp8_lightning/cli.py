@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,checkpoints,bench,doctor} ...``.
+"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,checkpoints,generate,compare,bench,doctor} ...``.
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
 overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
@@ -74,11 +74,25 @@ def doctor_command(argv: list[str]) -> None:
     raise SystemExit(_run_function(doctor, argv))
 
 
+def generate_command(argv: list[str]) -> None:
+    from .generate import generate
+
+    print(_run_function(generate, argv))
+
+
+def compare_command(argv: list[str]) -> None:
+    from .compare import main as compare_main
+
+    compare_main(argv)
+
+
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
     "checkpoints": checkpoints_command,
     "bench": bench_command,
     "doctor": doctor_command,
+    "generate": generate_command,
+    "compare": compare_command,
 }
 
 

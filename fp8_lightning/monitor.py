@@ -1,0 +1,421 @@
+"""``TrainingMonitor``: the console line, TensorBoard scalars, throughput/MFU and text samples.
+
+One line per logged step (rank zero)::
+
+    step 250 | loss 3.4568 | lr 6.00e-04 | norm 0.823 | dt 156.8ms | tok/s 334,567 | mfu 41.2% | mfu_fp8 20.6% | FP8 delayed
+
+* ``loss``: mean training loss over the steps since the previous line; ``norm``: total gradient
+  norm before clipping, of the last step; ``lr``: the first parameter group's learning rate.
+* ``dt``: wall-clock time per optimizer step since the previous line, validation (and the text
+  samples) excluded, checkpointing included. The clock is read once per line, after one
+  ``torch.cuda.synchronize()``: nothing else in the monitor waits for the GPU, so the cost is one
+  sync per ``log_every`` steps.
+* ``tok/s``: training tokens per second over all ranks; ``mfu``: model FLOPs utilisation per GPU
+  against the dense BF16 peak of the GPU (see :mod:`fp8_lightning.flops` for the FLOP count and
+  the peak table); ``mfu_fp8`` (only while FP8 runs) the same against the dense FP8 peak.
+  ``mfu n/a`` where the peak is unknown (CPU, unlisted GPU).
+* The last field is the precision that really ran: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``.
+
+TensorBoard (every logger of the Trainer gets the scalars; text goes to the TensorBoard logger):
+the tags below, plus ``train/loss``, ``val/loss``, ``val/ppl`` that the LightningModule logs, the
+hyperparameters with ``hp_metric`` = the last ``val/loss``, FP8 switch events as text, and a text
+sample generated from ``sample_prompt`` at every validation (BF16, outside ``te.autocast``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from .flops import Peak, flops_per_token, peak_for
+from .flops import mfu as mfu_of
+
+log = logging.getLogger(__name__)
+
+# TensorBoard tags: written by the LightningModule ...
+TRAIN_LOSS = "train/loss"
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+# ... and by TrainingMonitor. `compare` reads these names.
+LR = "lr"
+GRAD_NORM = "grad_norm"
+TOKENS_SEEN = "tokens_seen"
+TOKENS_PER_SEC = "throughput/tok_s"
+STEP_TIME_MS = "throughput/step_ms"
+MFU = "throughput/mfu_pct"  # percent of the dense BF16 peak
+MFU_FP8 = "throughput/mfu_fp8_pct"  # percent of the dense FP8 peak, while FP8 runs
+PEAK_MEMORY = "gpu/peak_mem_gib"  # torch.cuda.max_memory_allocated, GiB
+FP8_ACTIVE = "fp8/active"  # 1 while FP8 runs, else 0
+FALLBACK_EVENTS = "fp8/fallback_events"  # FP8 unavailable/disabled events so far
+HP_METRIC = "hp_metric"  # the last val/loss, shown with the hyperparameters
+# Text tags
+SAMPLES = "samples"
+PRECISION_TEXT = "run/precision"
+SETUP_TEXT = "run/setup"
+CONFIG_TEXT = "run/config"  # the model config and the FP8 recipe, as a table
+FP8_EVENTS_TEXT = "fp8/events"
+
+FALLBACK_KINDS = ("unavailable", "disabled")
+
+
+def format_line(step: int, loss: Optional[float], lr: Optional[float], grad_norm: Optional[float],
+                step_ms: float, tokens_per_sec: float, mfu: Optional[float],
+                mfu_fp8: Optional[float], precision: str) -> str:
+    """The console line; ``mfu``/``mfu_fp8`` are fractions (``None``: not known / not FP8)."""
+
+    def num(value: Optional[float], fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    parts = [f"step {step}", f"loss {num(loss, '.4f')}", f"lr {num(lr, '.2e')}",
+             f"norm {num(grad_norm, '.3f')}", f"dt {step_ms:.1f}ms", f"tok/s {tokens_per_sec:,.0f}",
+             f"mfu {'n/a' if mfu is None else format(100 * mfu, '.1f') + '%'}"]
+    if mfu_fp8 is not None:
+        parts.append(f"mfu_fp8 {100 * mfu_fp8:.1f}%")
+    parts.append(precision)
+    return " | ".join(parts)
+
+
+def precision_tag(trainer: "L.Trainer", pl_module: "L.LightningModule") -> str:
+    """``FP8 delayed`` / ``BF16 (fallback: ...)`` from the module, else the Trainer's precision."""
+    tag = getattr(pl_module, "precision_tag", None)
+    if callable(tag):
+        try:
+            return tag()
+        except Exception:  # a module without a Trainer attached, say
+            pass
+    return str(trainer.precision)
+
+
+def config_table(trainer: "L.Trainer", pl_module: "L.LightningModule") -> str:
+    """A markdown table of the model config, the FP8 recipe and the module's hyperparameters."""
+    rows: dict[str, Any] = {}
+    config = getattr(pl_module, "config", None)
+    if hasattr(config, "to_dict"):
+        rows.update({f"model.config.{k}": v for k, v in config.to_dict().items()})
+    recipe = getattr(trainer.precision_plugin, "recipe_config", None)
+    if recipe:
+        rows.update({f"fp8.{k}": v for k, v in recipe.items()})
+    rows.update({f"model.{k}": v for k, v in dict(pl_module.hparams).items()
+                 if k != "config" and not k.startswith("_")})
+    rows["trainer.precision"] = precision_tag(trainer, pl_module)
+    rows["trainer.world_size"] = trainer.world_size
+    return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows.items())
+
+
+def fp8_active(trainer: "L.Trainer") -> bool:
+    return bool(getattr(trainer.precision_plugin, "fp8_active", False))
+
+
+def tensorboard_writer(trainer: "L.Trainer") -> Any:
+    """The ``SummaryWriter`` of the Trainer's TensorBoard logger, or ``None``."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def logger_step(trainer: "L.Trainer") -> int:
+    """The step Lightning's own ``self.log`` uses (so our scalars line up with ``train/loss``)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+def console_print(trainer: "L.Trainer", line: str) -> None:
+    """Print without breaking Lightning's progress bar (rank zero only)."""
+    if not trainer.is_global_zero:
+        return
+    from lightning.pytorch.callbacks.progress import TQDMProgressBar
+
+    bar = trainer.progress_bar_callback
+    if bar is None or isinstance(bar, TQDMProgressBar):
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stdout)
+    else:
+        bar.print(line)
+    sys.stdout.flush()
+
+
+class TrainingMonitor(Callback):
+    """The console line, TensorBoard scalars, throughput/MFU and text samples (see the module doc).
+
+    Args:
+        log_every: print and log every N optimizer steps (default: ``trainer.log_every_n_steps``).
+        sample_prompt: text samples at each validation start from this prompt (``None``: off;
+            ``""``: from the end-of-text token).
+        sample_tokens: new tokens per sample.
+        sample_temperature: sampling temperature (0: greedy).
+        sample_top_k: sample from the top k tokens (``None``: all).
+        sample_seed: the sample's seed (the training RNG state is saved and restored around it).
+        tokenizer: decodes samples (default: the data module's ``tokenizer``, else ``gpt2``).
+        console: print the console line.
+    """
+
+    def __init__(self, log_every: Optional[int] = None, sample_prompt: Optional[str] = "The",
+                 sample_tokens: int = 48, sample_temperature: float = 0.8,
+                 sample_top_k: Optional[int] = 50, sample_seed: int = 0,
+                 tokenizer: Optional[str] = None, console: bool = True) -> None:
+        super().__init__()
+        if log_every is not None and log_every < 1:
+            from .config import ConfigError
+
+            raise ConfigError([f"log_every={log_every} must be >= 1"], "TrainingMonitor")
+        self.log_every = log_every
+        self.sample_prompt = sample_prompt
+        self.sample_tokens = sample_tokens
+        self.sample_temperature = sample_temperature
+        self.sample_top_k = sample_top_k
+        self.sample_seed = sample_seed
+        self.tokenizer = tokenizer
+        self.console = console
+        self.lines: list[str] = []  # the console lines printed (rank zero), for tests and tools
+        self._reset()
+
+    def _reset(self) -> None:
+        self._every = 1
+        self._peak: Optional[Peak] = None
+        self._device_name = "cpu"
+        self._flops_token: Optional[float] = None
+        self._seq_len: Optional[int] = None
+        self._own_tokens = 0
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._last_step = -1  # optimizer step of the previous on_train_batch_end
+        self._window: Optional[dict[str, float]] = None  # time/step/tokens at the last line
+        self._excluded = 0.0  # seconds of validation inside the current window
+        self._val_start: Optional[float] = None
+        self._events_seen = 0
+
+    # ------------------------------------------------------------------------- helpers
+    def _sync(self, pl_module: "L.LightningModule") -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _tokens(self, pl_module: "L.LightningModule") -> int:
+        seen = getattr(pl_module, "tokens_seen", None)
+        return int(seen) if isinstance(seen, (int, float)) else self._own_tokens
+
+    def _open_window(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._sync(pl_module)
+        self._window = {"time": time.perf_counter(), "step": trainer.global_step,
+                        "tokens": self._tokens(pl_module)}
+        self._excluded = 0.0
+        if self._loss_sum is not None:
+            self._loss_sum.zero_()
+
+    def _log_metrics(self, trainer: "L.Trainer", metrics: dict[str, float]) -> None:
+        step = logger_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _add_text(self, trainer: "L.Trainer", tag: str, text: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        writer = tensorboard_writer(trainer)
+        if writer is not None:
+            writer.add_text(tag, text, global_step=logger_step(trainer))
+
+    # ------------------------------------------------------------------------- setup
+    @override
+    def on_fit_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._reset()
+        self._every = self.log_every or trainer.log_every_n_steps or 50
+        device = pl_module.device
+        if device.type == "cuda":
+            self._device_name = torch.cuda.get_device_name(device)
+            self._peak = peak_for(self._device_name)
+        config = getattr(pl_module, "config", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        self._seq_len = getattr(datamodule, "seq_len", None)
+        if config is not None and hasattr(config, "n_layer"):
+            self._flops_token = flops_per_token(config, self._seq_len)
+
+    @override
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        if self._peak is not None:
+            fp8 = "n/a" if self._peak.fp8 is None else f"{self._peak.fp8 / 1e12:,.0f}"
+            peak = (f"{self._device_name} = {self._peak.name}: dense peak BF16 "
+                    f"{self._peak.bf16 / 1e12:,.0f} TFLOP/s, FP8 {fp8} TFLOP/s")
+        elif pl_module.device.type == "cuda":
+            peak = f"{self._device_name}: no peak in the table, MFU n/a"
+        else:
+            peak = "CPU: no peak, MFU n/a"
+        flops = ("unknown (no GPTConfig)" if self._flops_token is None else
+                 f"{self._flops_token / 1e6:,.1f} MFLOP/token (6 x matmul params + attention)")
+        setup = f"monitor: every {self._every} steps; {peak}; {flops}"
+        if self.console:
+            console_print(trainer, setup)
+        self._add_text(trainer, SETUP_TEXT, setup)
+        self._add_text(trainer, PRECISION_TEXT, precision_tag(trainer, pl_module))
+        self._add_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
+        self._log_events(trainer)
+        self._last_step = trainer.global_step
+        self._open_window(trainer, pl_module)
+
+    def _log_events(self, trainer: "L.Trainer") -> None:
+        history = getattr(trainer.precision_plugin, "history", None) or []
+        new = history[self._events_seen:]
+        self._events_seen = len(history)
+        for event in new:
+            step = event.get("step")
+            self._add_text(trainer, FP8_EVENTS_TEXT,
+                           f"**{event.get('event')}**{'' if step is None else f' at step {step}'}: "
+                           f"{event.get('reason')} (now {event.get('precision')})")
+
+    def fallback_count(self, trainer: "L.Trainer") -> int:
+        history = getattr(trainer.precision_plugin, "history", None) or []
+        return sum(1 for e in history if e.get("event") in FALLBACK_KINDS)
+
+    # ------------------------------------------------------------------------- training
+    @override
+    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            # On the device, no sync: the mean is read once per line. Lightning divides the loss
+            # by accumulate_grad_batches, so the micro-batches of one step add up to its mean.
+            loss = loss.detach().float()
+            if self._loss_sum is None:
+                self._loss_sum = torch.zeros((), device=loss.device)
+            self._loss_sum.add_(loss)
+        if isinstance(batch, torch.Tensor) and batch.ndim == 2:
+            if self._seq_len is None:
+                self._seq_len = batch.shape[1] - 1
+                config = getattr(pl_module, "config", None)
+                if config is not None and hasattr(config, "n_layer"):
+                    self._flops_token = flops_per_token(config, self._seq_len)
+            self._own_tokens += (batch.shape[1] - 1) * batch.shape[0] * trainer.world_size
+        step = trainer.global_step
+        if step == self._last_step:  # accumulating: no optimizer step yet
+            return
+        self._last_step = step
+        if self._window is None:
+            self._open_window(trainer, pl_module)
+            return
+        if step % self._every == 0 and step > self._window["step"]:
+            self._log_line(trainer, pl_module, step)
+
+    def _log_line(self, trainer: "L.Trainer", pl_module: "L.LightningModule", step: int) -> None:
+        self._sync(pl_module)  # the one sync per line
+        now = time.perf_counter()
+        window = self._window
+        steps = step - window["step"]
+        elapsed = max(now - window["time"] - self._excluded, 1e-9)
+        tokens = self._tokens(pl_module) - window["tokens"]
+        tokens_per_sec = tokens / elapsed
+        step_ms = 1000.0 * elapsed / steps
+        loss = None if self._loss_sum is None else self._loss_sum.item() / steps
+        norm = getattr(pl_module, "grad_norm", None)
+        norm = float(norm) if isinstance(norm, (torch.Tensor, float, int)) else None
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        active = fp8_active(trainer)
+        mfu = mfu_fp8 = None
+        if self._flops_token is not None and self._peak is not None:
+            per_gpu = tokens_per_sec / max(1, trainer.world_size)
+            mfu = mfu_of(per_gpu, self._flops_token, self._peak.bf16)
+            if active:
+                mfu_fp8 = mfu_of(per_gpu, self._flops_token, self._peak.fp8)
+        tag = precision_tag(trainer, pl_module)
+        metrics = {TOKENS_SEEN: float(self._tokens(pl_module)), TOKENS_PER_SEC: tokens_per_sec,
+                   STEP_TIME_MS: step_ms, FP8_ACTIVE: float(active),
+                   FALLBACK_EVENTS: float(self.fallback_count(trainer))}
+        if lr is not None:
+            metrics[LR] = float(lr)
+        if norm is not None:
+            metrics[GRAD_NORM] = norm
+        if mfu is not None:
+            metrics[MFU] = 100.0 * mfu
+        if mfu_fp8 is not None:
+            metrics[MFU_FP8] = 100.0 * mfu_fp8
+        if pl_module.device.type == "cuda":
+            metrics[PEAK_MEMORY] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+        self._log_metrics(trainer, metrics)
+        self._log_events(trainer)
+        line = format_line(step, loss, lr, norm, step_ms, tokens_per_sec, mfu, mfu_fp8, tag)
+        if trainer.is_global_zero:
+            self.lines.append(line)
+            if self.console:
+                console_print(trainer, line)
+        self._open_window(trainer, pl_module)
+
+    # ------------------------------------------------------------------------- validation
+    @override
+    def on_validation_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        if self._window is not None and not trainer.sanity_checking:
+            self._sync(pl_module)
+            self._val_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get(VAL_LOSS)
+        step = trainer.global_step
+        if val is not None:
+            self._log_metrics(trainer, {HP_METRIC: float(val)})
+            if self.console:
+                ppl = trainer.callback_metrics.get(VAL_PPL)
+                extra = "" if ppl is None else f" | val/ppl {float(ppl):.2f}"
+                console_print(trainer, f"step {step} | val/loss {float(val):.4f}{extra}")
+        if self.sample_prompt is not None and trainer.is_global_zero:
+            try:
+                text = self.sample(trainer, pl_module)
+            except Exception as err:  # a sample must never stop training
+                text = None
+                log.warning("text sample failed: %s: %s", type(err).__name__, err)
+            if text is not None:
+                self._add_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
+                if self.console:
+                    console_print(trainer, f"sample (step {step}): {text!r}")
+        if self._val_start is not None:
+            self._sync(pl_module)
+            self._excluded += time.perf_counter() - self._val_start
+            self._val_start = None
+
+    def _tokenizer_name(self, trainer: "L.Trainer") -> str:
+        if self.tokenizer:
+            return self.tokenizer
+        datamodule = getattr(trainer, "datamodule", None)
+        return getattr(datamodule, "tokenizer", None) or "gpt2"
+
+    def sample(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> Optional[str]:
+        """Generate ``sample_tokens`` from ``sample_prompt`` with the model being trained.
+
+        BF16 autocast on CUDA, outside ``te.autocast`` (so TE modules run BF16 and any prompt
+        length works), fp32 on CPU; the global RNG state is restored afterwards.
+        """
+        model = getattr(pl_module, "model", None)
+        if model is None or not hasattr(model, "generate"):
+            return None
+        if "fsdp" in type(trainer.strategy).__name__.lower():
+            return None  # sharded parameters: rank zero alone cannot run the model
+        from .tokenizer import get_tokenizer
+
+        tok = get_tokenizer(self._tokenizer_name(trainer))
+        ids = tok.encode(self.sample_prompt) if self.sample_prompt else []
+        ids = ids or [tok.eot_id]
+        device = pl_module.device
+        idx = torch.tensor([ids], dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            torch.manual_seed(self.sample_seed)
+            autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+            with torch.no_grad(), autocast:
+                out = model.generate(idx, self.sample_tokens, temperature=self.sample_temperature,
+                                     top_k=self.sample_top_k)
+        return tok.decode(out[0].tolist())
+
+    @override
+    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._log_events(trainer)

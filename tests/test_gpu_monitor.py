@@ -1,0 +1,190 @@
+"""GPU tests of the monitoring: GPT-2 124M in FP8 with TrainingMonitor and FP8Stats.
+
+`python -m pytest -m gpu tests/test_gpu_monitor.py -s` on the GPU machine (they skip without
+CUDA/TE). They print a real console excerpt and the measured monitoring overhead.
+"""
+
+import re
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from fp8_lightning import monitor as M
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.fp8_stats import AMAX, SCALE, FP8Stats
+from fp8_lightning.module import GPTLightningModule
+from fp8_lightning.tokenizer import get_tokenizer
+
+pytestmark = pytest.mark.gpu
+
+B, T = 8, 1024
+LINE = re.compile(r"^step (?P<step>\d+) \| loss (?P<loss>[\d.]+) \| lr \S+ \| norm \S+ \| "
+                  r"dt (?P<dt>[\d.]+)ms \| tok/s (?P<tps>[\d,]+) \| mfu (?P<mfu>[\d.]+)% \| "
+                  r"mfu_fp8 (?P<mfu_fp8>[\d.]+)% \| (?P<tag>.+)$")
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    ids = torch.tensor(get_tokenizer("gpt2").encode(EMBEDDED_CORPUS.read_text()))
+    n = ids.numel() // (T + 1)
+    return ids[: n * (T + 1)].view(n, T + 1)
+
+
+class StepTimer(L.Callback):
+    """ms per optimizer step between step `start` and the end: two syncs in all."""
+
+    def __init__(self, start):
+        self.start, self.t0, self.ms = start, None, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.start:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+    def on_train_end(self, trainer, module):
+        torch.cuda.synchronize()
+        self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
+
+
+def fit(tmp_path, blocks, steps, callbacks, val=False, recipe="delayed"):
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig(name="gpt2"), learning_rate=6e-4,
+                                warmup_steps=10, lr_decay_steps=max(steps, 100))
+    train = torch.utils.data.DataLoader(blocks[:-16].repeat(4, 1), batch_size=B, shuffle=False,
+                                        drop_last=True)
+    loaders = [train]
+    if val:
+        loaders.append(torch.utils.data.DataLoader(blocks[-16:], batch_size=B))
+    trainer = L.Trainer(
+        max_steps=steps, plugins=[FP8Precision(recipe=recipe)], accelerator="gpu", devices=1,
+        logger=TensorBoardLogger(tmp_path, name="", version=""), enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=10,
+        num_sanity_val_steps=0, limit_val_batches=2 if val else 0,
+        val_check_interval=steps if val else None, callbacks=callbacks, gradient_clip_val=1.0)
+    trainer.fit(module, *loaders)
+    return trainer
+
+
+def scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    values = {t: [e.value for e in acc.Scalars(t)] for t in tags["scalars"]}
+    texts = {t: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(t)]
+             for t in tags["tensors"]}
+    return values, texts
+
+
+def test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats(tmp_path, blocks, capsys):
+    monitor = M.TrainingMonitor(log_every=10, sample_prompt="ROMEO:", sample_tokens=24)
+    stats = FP8Stats(every_n_steps=30)
+    trainer = fit(tmp_path, blocks, 60, [monitor, stats], val=True)
+    assert trainer.precision_plugin.fp8_active
+    lines = monitor.lines
+    with capsys.disabled():
+        print("\n[console excerpt, GPT-2 124M FP8, B=8 x T=1024]\n" + "\n".join(lines))
+    assert len(lines) == 6
+    parsed = [LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    assert all(p["tag"] == "FP8 delayed" for p in parsed)
+    steady = parsed[-1]  # the first window holds the warm-up
+    assert 1.0 < float(steady["mfu"]) < 100.0 and 0.5 < float(steady["mfu_fp8"]) < 100.0
+    assert float(steady["mfu_fp8"]) < float(steady["mfu"])  # the FP8 peak is the higher one
+
+    values, texts = scalars(tmp_path)
+    for tag in (M.TOKENS_PER_SEC, M.MFU, M.MFU_FP8, M.PEAK_MEMORY, M.GRAD_NORM, M.LR,
+                M.FP8_ACTIVE, M.TRAIN_LOSS, M.VAL_LOSS):
+        assert tag in values, tag
+    assert values[M.FP8_ACTIVE] == [1.0] * 6
+    assert f"{M.SAMPLES}/text_summary" in texts and texts[f"{M.SAMPLES}/text_summary"][0].strip()
+    amax = {t: v for t, v in values.items() if t.startswith(AMAX + "/")}
+    scale = {t: v for t, v in values.items() if t.startswith(SCALE + "/")}
+    # 12 blocks x (qkv, proj, mlp.fc1, mlp.fc2) x (input, weight, grad_output); lm_head stays BF16
+    assert len(amax) == len(scale) == 12 * 4 * 3, sorted(amax)[:8]
+    assert not any("lm_head" in t for t in amax)
+    assert all(len(v) == 2 for v in amax.values())  # steps 30, 60
+    assert all(v[-1] > 0 for v in amax.values())
+    under = {t: v for t, v in values.items() if t.startswith("fp8_underflows_pct/")}
+    over = {t: v for t, v in values.items() if t.startswith("fp8_overflows_pct/")}
+    assert "fp8_underflows_pct/blocks.0.qkv.activation" in under, sorted(values)[:20]
+    assert "fp8_overflows_pct/blocks.11.mlp.fc2.gradient" in over, sorted(over)[:20]
+    assert all(0.0 <= x <= 100.0 for v in under.values() for x in v)
+    assert (stats.config_path.parent / "nvdlfw_inspect_logs").is_dir()
+    with capsys.disabled():
+        print("[fp8 stats at step 60] " + ", ".join(
+            f"{t}={values[t][-1]:.4g}" for t in ("fp8_amax/blocks.0.qkv.input",
+                                                 "fp8_scale/blocks.0.qkv.input",
+                                                 "fp8_underflows_pct/blocks.0.qkv.activation",
+                                                 "fp8_underflows_pct/all_layers_max.gradient",
+                                                 "fp8_overflows_pct/all_layers_max.activation")))
+
+
+def test_monitoring_overhead(tmp_path, blocks, capsys):
+    steps, start = 100, 20
+    runs = {
+        "bare": [],
+        "monitor (every 10)": [M.TrainingMonitor(log_every=10, sample_prompt=None, console=False)],
+        "monitor + FP8Stats(10, amax/scale)": [
+            M.TrainingMonitor(log_every=10, sample_prompt=None, console=False),
+            FP8Stats(every_n_steps=10, tensor_stats=False)],
+        "monitor + FP8Stats(every 10)": [
+            M.TrainingMonitor(log_every=10, sample_prompt=None, console=False),
+            FP8Stats(every_n_steps=10)],
+    }
+    results = {}
+    for repeat in range(2):  # twice, interleaved: the spread shows the noise
+        for i, (name, callbacks) in enumerate(runs.items()):
+            timer = StepTimer(start)
+            fit(tmp_path / f"{repeat}-{i}", blocks, steps, [*callbacks, timer])
+            results.setdefault(name, []).append(timer.ms)
+    base = min(results["bare"])
+    with capsys.disabled():
+        print(f"\n[monitoring overhead] GPT-2 124M FP8 delayed, B={B} x T={T}, "
+              f"{torch.cuda.get_device_name()}, steps {start}..{steps} (best of 2)")
+        for name, ms in results.items():
+            print(f"  {name:32s} {min(ms):7.2f} ms/step (runs: {', '.join(f'{m:.2f}' for m in ms)})"
+                  f"  x{min(ms) / base:.4f}")
+        for name in ("monitor + FP8Stats(10, amax/scale)", "monitor + FP8Stats(every 10)"):
+            extra = 10 * (min(results[name]) - min(results["monitor (every 10)"]))
+            print(f"  {name}: ~{extra:.1f} ms extra per statistics step (= {extra / base:.2f} "
+                  f"plain steps): every K steps costs ~{100 * extra / base:.1f}/K % of step time")
+        print("[console, monitor only]\n" + "\n".join(runs["monitor (every 10)"][0].lines[-10:]))
+    assert min(results["monitor (every 10)"]) / base < 1.03
+
+
+def test_generate_from_an_fp8_checkpoint_on_te_and_on_cpu(tmp_path, blocks):
+    from fp8_lightning.generate import generate
+
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=2, block_size=128),
+                                learning_rate=1e-3, warmup_steps=2, lr_decay_steps=10)
+    loader = torch.utils.data.DataLoader(blocks[:64, :129], batch_size=B)
+    trainer = L.Trainer(max_steps=10, plugins=[FP8Precision()], accelerator="gpu", devices=1,
+                        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert trainer.precision_plugin.fp8_active
+    ckpt = tmp_path / "fp8.ckpt"
+    trainer.save_checkpoint(ckpt)
+    te_text = generate(str(ckpt), prompt="ROMEO:", max_new_tokens=17, temperature=0,
+                       backend="te", device="cuda")
+    cpu_text = generate(str(ckpt), prompt="ROMEO:", max_new_tokens=17, temperature=0,
+                        backend="torch", device="cpu")
+    assert te_text.startswith("ROMEO:") and cpu_text.startswith("ROMEO:")
+    assert len(te_text) > len("ROMEO:") and len(cpu_text) > len("ROMEO:")
+
+
+def test_fp8_stats_with_current_scaling(tmp_path, blocks):
+    stats = FP8Stats(every_n_steps=10)
+    fit(tmp_path, blocks, 20, [stats], recipe="current")
+    values, _ = scalars(tmp_path)
+    assert "fp8_underflows_pct/blocks.0.mlp.fc1.activation" in values, sorted(values)[:20]
+    assert not any(t.startswith(("fp8_overflows_pct/", AMAX + "/")) for t in values)
+    assert stats.logged_steps == [10, 20]
