@@ -12,7 +12,7 @@ DATA=${DATA:-/tmp/pycode-ds}
 mkdir -p "$OUT"
 if [ ! -f "$DATA/meta.json" ]; then
     SRC=$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    $PYTHON scripts/py_corpus.py "$SRC" /tmp/pycode-txt --max_mb 100 --files 16
+    $PYTHON scripts/py_corpus.py "$SRC" /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
     $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA" \
         --seq_len 1024 --val_fraction 0.005 --num_workers 16 2>&1 | grep -v "^INFO litdata" | tail -3
 fi
