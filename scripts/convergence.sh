@@ -38,5 +38,12 @@ wait
 for name in bf16 fp8-delayed fp8-current fp8-block; do
     grep -E "precision:|FP8 verified|NaN guard|Error|error" "$OUT/$name.log" | head -5 | sed "s/^/$name: /"
 done
-# Checkpoints are large; the logs are what the docs need.
+# Checkpoints are large; the logs are what the docs need. Event files are copied flat beside the
+# console logs (the device returns only shallow paths) for `python -m fp8_lightning compare`.
 find "$OUT" -name "*.ckpt" -delete
+for name in bf16 fp8-delayed fp8-current fp8-block; do
+    mkdir -p "$OUT/tb-$name"
+    cp "$(find "$OUT/$name" -name 'events.out.tfevents.*' | head -1)" "$OUT/tb-$name/" || true
+done
+$PYTHON scripts/convergence_plot.py "$OUT/convergence.png" "$OUT"/bf16.log "$OUT"/fp8-delayed.log \
+    "$OUT"/fp8-current.log "$OUT"/fp8-block.log
