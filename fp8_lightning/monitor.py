@@ -7,9 +7,9 @@ One line per logged step (rank zero)::
 * ``loss``: mean training loss over the steps since the previous line; ``norm``: total gradient
   norm before clipping, of the last step; ``lr``: the first parameter group's learning rate.
 * ``dt``: wall-clock time per optimizer step since the previous line, validation (and the text
-  samples) excluded, checkpointing included. The clock is read once per line, after one
-  ``torch.cuda.synchronize()``: nothing else in the monitor waits for the GPU, so the cost is one
-  sync per ``log_every`` steps.
+  samples) excluded, checkpointing included. The monitor never drains the GPU: at a logged step
+  it copies the loss and norm to pinned memory behind a CUDA event and prints the line one step
+  later, after waiting for that event only (the next step is already queued).
 * ``tok/s``: training tokens per second over all ranks; ``mfu``: model FLOPs utilisation per GPU
   against the dense BF16 peak of the GPU (see :mod:`fp8_lightning.flops` for the FLOP count and
   the peak table); ``mfu_fp8`` (only while FP8 runs) the same against the dense FP8 peak.
@@ -194,6 +194,7 @@ class TrainingMonitor(Callback):
         self._excluded = 0.0  # seconds of validation inside the current window
         self._val_start: Optional[float] = None
         self._events_seen = 0
+        self._pending: Optional[dict[str, Any]] = None  # a prepared line, emitted next step
 
     # ------------------------------------------------------------------------- helpers
     def _sync(self, pl_module: "L.LightningModule") -> None:
@@ -303,31 +304,62 @@ class TrainingMonitor(Callback):
         if self._window is None:
             self._open_window(trainer, pl_module)
             return
+        if self._pending is not None:
+            self._emit(trainer, pl_module)
         if step % self._every == 0 and step > self._window["step"]:
-            self._log_line(trainer, pl_module, step)
+            self._prepare(trainer, pl_module, step)
+            if pl_module.device.type != "cuda":
+                self._emit(trainer, pl_module)
 
-    def _log_line(self, trainer: "L.Trainer", pl_module: "L.LightningModule", step: int) -> None:
-        self._sync(pl_module)  # the one sync per line
+    def _prepare(self, trainer: "L.Trainer", pl_module: "L.LightningModule", step: int) -> None:
+        """Snapshot step ``step``'s values without waiting for the GPU.
+
+        The loss sum and grad norm are copied to pinned host memory behind a CUDA event; the line
+        is emitted at the next step, after waiting for that event only: the GPU then still has
+        the next step queued, so the pipeline is never drained (a full synchronize every line
+        cost ~1-2% of the step time of GPT-2 124M on an H200).
+        """
+        cuda = pl_module.device.type == "cuda"
+        values = {}
+        for name, tensor in (("loss", self._loss_sum), ("norm", getattr(pl_module, "grad_norm", None))):
+            if isinstance(tensor, torch.Tensor):
+                host = torch.empty((), dtype=torch.float32, pin_memory=cuda)
+                host.copy_(tensor.detach().float(), non_blocking=cuda)
+                values[name] = host
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if self._loss_sum is not None:
+            self._loss_sum.zero_()  # ordered after the copy on the stream
+        self._pending = {"step": step, "event": event, "values": values,
+                         "tokens": self._tokens(pl_module),
+                         "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
+                         "active": fp8_active(trainer), "tag": precision_tag(trainer, pl_module)}
+
+    def _emit(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        """Print and log the prepared line (waits for the GPU up to its step, not beyond)."""
+        pending, self._pending = self._pending, None
+        if pending["event"] is not None:
+            pending["event"].synchronize()
         now = time.perf_counter()
         window = self._window
+        step = pending["step"]
         steps = step - window["step"]
         elapsed = max(now - window["time"] - self._excluded, 1e-9)
-        tokens = self._tokens(pl_module) - window["tokens"]
-        tokens_per_sec = tokens / elapsed
+        tokens_per_sec = (pending["tokens"] - window["tokens"]) / elapsed
         step_ms = 1000.0 * elapsed / steps
-        loss = None if self._loss_sum is None else self._loss_sum.item() / steps
-        norm = getattr(pl_module, "grad_norm", None)
-        norm = float(norm) if isinstance(norm, (torch.Tensor, float, int)) else None
-        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
-        active = fp8_active(trainer)
+        values = pending["values"]
+        loss = float(values["loss"]) / steps if "loss" in values else None
+        norm = float(values["norm"]) if "norm" in values else None
+        lr, active, tag = pending["lr"], pending["active"], pending["tag"]
         mfu = mfu_fp8 = None
         if self._flops_token is not None and self._peak is not None:
             per_gpu = tokens_per_sec / max(1, trainer.world_size)
             mfu = mfu_of(per_gpu, self._flops_token, self._peak.bf16)
             if active:
                 mfu_fp8 = mfu_of(per_gpu, self._flops_token, self._peak.fp8)
-        tag = precision_tag(trainer, pl_module)
-        metrics = {TOKENS_SEEN: float(self._tokens(pl_module)), TOKENS_PER_SEC: tokens_per_sec,
+        metrics = {TOKENS_SEEN: float(pending["tokens"]), TOKENS_PER_SEC: tokens_per_sec,
                    STEP_TIME_MS: step_ms, FP8_ACTIVE: float(active),
                    FALLBACK_EVENTS: float(self.fallback_count(trainer))}
         if lr is not None:
@@ -347,11 +379,14 @@ class TrainingMonitor(Callback):
             self.lines.append(line)
             if self.console:
                 console_print(trainer, line)
-        self._open_window(trainer, pl_module)
+        self._window = {"time": now, "step": step, "tokens": pending["tokens"]}
+        self._excluded = 0.0
 
     # ------------------------------------------------------------------------- validation
     @override
     def on_validation_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        if self._pending is not None and not trainer.sanity_checking:
+            self._emit(trainer, pl_module)
         if self._window is not None and not trainer.sanity_checking:
             self._sync(pl_module)
             self._val_start = time.perf_counter()
@@ -418,4 +453,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        if self._pending is not None:
+            self._emit(trainer, pl_module)
         self._log_events(trainer)
