@@ -5,7 +5,6 @@ from .config import PRESETS, ConfigError, GPTConfig
 from .fp8 import FP8Precision
 from .fp8_stats import FP8Stats
 from .model import GPT
-from .fp8_stats import FP8Stats
 from .monitor import TrainingMonitor
 from .safety import FaultInjection, NaNGuard, NonFiniteTrainingError
 

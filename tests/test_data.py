@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from fp8_lightning.config import ConfigError
 from fp8_lightning.data import TokenShardDataModule, prepare
