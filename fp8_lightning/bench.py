@@ -23,6 +23,7 @@ All variants keep fp32 master weights (``bf16-mixed``), whatever the config's ``
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import math
@@ -40,11 +41,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 import yaml
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
-from .fp8 import RECIPES, FP8Precision, recipe_available
+from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, recipe_available
 from .model import GPT
 from .te_support import te_status, te_version
 
@@ -108,10 +108,10 @@ class RunConfig:
         return config
 
 
-def _section(parent: dict, key: str, where: str) -> dict:
+def _section(parent: dict, key: str, path: str) -> dict:
     value = parent.get(key) or {}
     if not isinstance(value, dict):
-        raise ConfigError([f"{where}{key} must be a mapping, got {type(value).__name__}"])
+        raise ConfigError([f"{key} must be a mapping, got {type(value).__name__}"], path)
     return value.get("init_args", value) if "class_path" in value else value
 
 
@@ -126,9 +126,9 @@ def load_run_config(path: str, model: Optional[str] = None) -> RunConfig:
         raise ConfigError([f"not valid YAML: {err}"], path) from None
     if not isinstance(raw, dict):
         raise ConfigError(["the top level must be a mapping (trainer:, model:, data:)"], path)
-    model_args = _section(raw, "model", "")
-    data = _section(raw, "data", "")
-    trainer = _section(raw, "trainer", "")
+    model_args = _section(raw, "model", path)
+    data = _section(raw, "data", path)
+    trainer = _section(raw, "trainer", path)
     plugins = trainer.get("plugins") or []
     fp8 = None
     for plugin in plugins if isinstance(plugins, list) else [plugins]:
@@ -181,6 +181,29 @@ def parse_variant(name: str) -> Variant:
         raise ConfigError(problems, "bench --variants")
     return Variant(name, backend, recipe, compiled, "te" if "-te-attn" in flags else "sdpa",
                    "-bf16ends" in flags)
+
+
+def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precision], list[str]]:
+    """Build the config's ``FP8Precision`` (pure Python, no GPU): the plugin, or every problem
+    with the field it names."""
+    if fp8 is None:
+        return None, []
+    where = "trainer.plugins FP8Precision"
+    try:
+        return FP8Precision(**fp8), []
+    except ConfigError as err:
+        return None, [f"{where}: {p}" for p in err.problems]
+    except TypeError as err:
+        valid = list(inspect.signature(FP8Precision).parameters)
+        unknown = [k for k in fp8 if k not in valid]
+        return None, [f"{where}: {k}: {REMOVED_KEYS.get(k, 'not an argument')}; valid: "
+                      f"{', '.join(valid)}" for k in unknown] or [f"{where}: {err}"]
+
+
+def positive_int_problems(**values: Any) -> list[str]:
+    """``name=value must be a positive integer`` for each value that is not one."""
+    return [f"{k}={v!r} must be a positive integer" for k, v in values.items()
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1]
 
 
 def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
@@ -487,9 +510,9 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
     model_config = run.gpt_config(n_layer=n_layer, seq_len=seq_len)
     batch_size = run.batch_size if batch_size is None else batch_size
     seq_len = model_config.block_size if seq_len is None else seq_len
-    problems += [f"{k}={v!r} must be a positive integer" for k, v in
-                (("steps", steps), ("warmup", warmup), ("batch_size", batch_size),
-                 ("seq_len", seq_len)) if not isinstance(v, int) or v < 1]
+    problems += positive_int_problems(steps=steps, warmup=warmup, batch_size=batch_size,
+                                      seq_len=seq_len)
+    problems += check_fp8_plugin(run.fp8)[1]  # before any GPU work, not once per FP8 variant
     if baseline is not None and baseline not in names:
         problems.append(f"baseline={baseline!r} is not among the variants: {', '.join(names)}")
     if problems:
@@ -524,7 +547,6 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
     (out / "bench.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     if ran:
         plot(report, out / "bench.png")
-    if rank_zero_only.rank == 0:
-        print(format_table(report))
-        print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if ran else ""))
+    print(format_table(report))
+    print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if ran else ""))
     return report

@@ -277,20 +277,23 @@ class TokenShardDataModule(L.LightningDataModule):
         dropped = getattr(self.train_dataset, "_elastic_drop_first", None) or 0
         return dropped + loader._num_samples_yielded_streaming * world
 
+    def _identity(self) -> dict[str, Any]:
+        """What a resume must not change: the blocks and their order."""
+        return {"data_dir": self.dataset_dir, "seq_len": self.seq_len, "shuffle": self.shuffle,
+                "seed": self.seed}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"data_dir": self.dataset_dir, "seq_len": self.seq_len, "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "seed": self.seed, "position": self._position(),
+        return {**self._identity(), "batch_size": self.batch_size, "position": self._position(),
                 "epoch": getattr(self._train_loader, "current_epoch", None)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        problems = []
-        for key, why in (("seq_len", "blocks would be cut differently: data would be replayed "
-                          "or skipped"), ("data_dir", "another dataset"),
-                         ("shuffle", "another sample order"), ("seed", "another sample order")):
-            if key in state_dict and state_dict[key] != getattr(self, key if key != "data_dir"
-                                                                   else "dataset_dir"):
-                problems.append(f"data.{key}={getattr(self, key if key != 'data_dir' else 'dataset_dir')!r} "
-                                f"but the checkpoint was trained with {state_dict[key]!r} ({why})")
+        why = {"seq_len": "blocks would be cut differently: data would be replayed or skipped",
+               "data_dir": "another dataset", "shuffle": "another sample order",
+               "seed": "another sample order"}
+        problems = [f"data.{key}={value!r} but the checkpoint was trained with "
+                    f"{state_dict[key]!r} ({why[key]})"
+                    for key, value in self._identity().items()
+                    if key in state_dict and state_dict[key] != value]
         if problems:
             raise ConfigError(problems + ["resume with the checkpoint's values, or start a new run "
                                           "without --ckpt_path"], "data for this checkpoint")

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bench import RunConfig, Variant, _Timer, environment, free_memory, load_run_config, measure
+from .bench import (RunConfig, _Timer, check_fp8_plugin, environment, free_memory,
+                    load_run_config, measure, parse_variant, positive_int_problems)
 from .config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
-from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, bf16_module_names, build_recipe_config, make_te_recipe, \
+from .fp8 import RECIPES, bf16_module_names, build_recipe_config, make_te_recipe, \
     recipe_available
 from .model import GPT
 from .te_support import MIN_FP8_CAPABILITY, te_module, te_status
@@ -181,15 +182,16 @@ def lint(run: RunConfig, batch_size: Optional[int] = None, seq_len: Optional[int
     except ConfigError as err:
         problems += [f"model.config: {p}" for p in err.problems]
     batch_size = run.batch_size if batch_size is None else batch_size
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        problems.append(f"data.batch_size={batch_size!r} must be a positive integer")
+    problems += positive_int_problems(**{"data.batch_size": batch_size})
+    if seq_len is not None:
+        problems += positive_int_problems(seq_len=seq_len)
     if run.backend not in ("auto", "te", "torch"):
         problems.append(f"model.backend={run.backend!r}; valid: auto, te, torch")
     if run.attention not in ("sdpa", "te"):
         problems.append(f"model.attention={run.attention!r}; valid: sdpa, te")
     elif run.attention == "te" and run.backend == "torch":
         problems.append("model.attention='te' (te.DotProductAttention) needs model.backend: te or auto")
-    seq = seq_len or (config.block_size if config else 0)
+    seq = seq_len if seq_len is not None else (config.block_size if config else 0)
     if config is not None and not problems:
         notes.append(f"model {config.name}: {config.n_layer} layers, n_embd {config.n_embd}, "
                      f"ffn {config.ffn_hidden}, heads {config.n_head}/{config.n_kv_heads} "
@@ -203,28 +205,18 @@ def lint(run: RunConfig, batch_size: Optional[int] = None, seq_len: Optional[int
             check_micro_batch(batch_size, seq)
         except ConfigError as err:
             problems += err.problems  # the data module refuses it for every run, FP8 or not
-    if run.fp8 is not None:
-        try:
-            plugin = FP8Precision(**run.fp8)
-        except ConfigError as err:
-            problems += [f"trainer.plugins FP8Precision: {p}" for p in err.problems]
-        except TypeError:
-            import inspect
-
-            valid = [p for p in inspect.signature(FP8Precision).parameters]
-            problems += [f"trainer.plugins FP8Precision: {k}: "
-                         + (REMOVED_KEYS[k] if k in REMOVED_KEYS else "not an argument")
-                         + f"; valid: {', '.join(valid)}" for k in run.fp8 if k not in valid]
-        else:
-            cfg = plugin.recipe_config
-            notes.append("FP8 recipe: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
-            if plugin.fp8_lm_head:
-                notes.append("WARNING fp8_lm_head=true: the LM head's logits feed the loss "
-                             "directly and FP8 there is the usual source of loss gaps; the "
-                             "default keeps it BF16")
-            if config is not None and plugin.bf16_first_layers + plugin.bf16_last_layers >= config.n_layer:
-                notes.append(f"WARNING bf16_first_layers + bf16_last_layers >= n_layer="
-                             f"{config.n_layer}: no block runs FP8")
+    plugin, plugin_problems = check_fp8_plugin(run.fp8)
+    problems += plugin_problems
+    if plugin is not None:
+        cfg = plugin.recipe_config
+        notes.append("FP8 recipe: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+        if plugin.fp8_lm_head:
+            notes.append("WARNING fp8_lm_head=true: the LM head's logits feed the loss "
+                         "directly and FP8 there is the usual source of loss gaps; the "
+                         "default keeps it BF16")
+        if config is not None and plugin.bf16_first_layers + plugin.bf16_last_layers >= config.n_layer:
+            notes.append(f"WARNING bf16_first_layers + bf16_last_layers >= n_layer="
+                         f"{config.n_layer}: no block runs FP8")
     return Lint(config, batch_size, seq, problems, notes)
 
 
@@ -385,7 +377,7 @@ def benefit_probe(run: RunConfig, result: Lint, recipes: list[str], *, reps: int
         _say(f"  {r}: failed for {why}")
 
     # The non-GEMM time: a short BF16 step of the model itself, minus the BF16 GEMMs.
-    variant = Variant("te-bf16", "te", attention=run.attention)
+    variant = parse_variant("te-bf16" + ("-te-attn" if run.attention == "te" else ""))
     step = measure(variant, config, batch_size, seq_len, steps=step_steps, warmup=2,
                    device=torch.device("cuda"))
     pred = predict(gemms, times, step["ms_per_step"] if step["status"] == "ran" else None)
@@ -463,6 +455,9 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
         reps: timed repetitions per GEMM shape and recipe.
         output: also write the findings to this JSON file.
     """
+    problems = positive_int_problems(reps=reps)
+    if problems:
+        raise ConfigError(problems, "doctor")
     run = load_run_config(config, model) if config else None
     report: dict[str, Any] = {"env": report_environment()}
     result = lint(run, batch_size, seq_len, n_layer) if run else None

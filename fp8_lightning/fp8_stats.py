@@ -44,7 +44,7 @@ from torch import nn
 from typing_extensions import override
 
 from .config import ConfigError
-from .monitor import logger_step
+from .monitor import log_metrics
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +361,7 @@ class FP8Stats(Callback):
             metrics.update(scaling_stats(self._modules))
         if metrics:
             self.logged_steps.append(step)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=logger_step(trainer))
+            log_metrics(trainer, metrics)
 
     @override
     def teardown(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:

@@ -14,22 +14,19 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from .checkpoint import CheckpointError, load_checkpoint_file
 from .config import ConfigError, GPTConfig
 from .model import GPT
 
 
 def load_checkpoint(ckpt: str) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` with one clear error for a missing or unreadable file."""
+    """The checkpoint, validated like every load (``checkpoint.load_checkpoint_file``), that
+    also carries a model config."""
     path = Path(ckpt).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ConfigError([f"{path} is not a readable checkpoint ({type(err).__name__}); pass "
-                           "a .ckpt written by `python -m fp8_lightning fit`"], "checkpoint") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ConfigError([f"{path} has no state_dict: not a Lightning checkpoint"], "checkpoint")
+        checkpoint = load_checkpoint_file(path)
+    except CheckpointError as err:
+        raise ConfigError([f"not a readable checkpoint: {err}"], "checkpoint") from None
     config = (checkpoint.get("hyper_parameters") or {}).get("config") or \
         (checkpoint.get("fp8_lightning") or {}).get("config")
     if not isinstance(config, dict):
@@ -43,7 +40,6 @@ def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
     """The GPT of a checkpoint on ``device`` (``auto``/``cpu``/``cuda``) with ``backend``."""
     from .te_support import te_status
 
-    checkpoint = load_checkpoint(ckpt)
     problems = []
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         problems.append(f"device={device!r}; valid: auto, cpu, cuda, cuda:N")
@@ -51,6 +47,7 @@ def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
         problems.append(f"backend={backend!r}; valid: auto, te, torch")
     if problems:
         raise ConfigError(problems, "generate")
+    checkpoint = load_checkpoint(ckpt)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

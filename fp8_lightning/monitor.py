@@ -130,6 +130,20 @@ def logger_step(trainer: "L.Trainer") -> int:
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
 
+def log_metrics(trainer: "L.Trainer", metrics: dict[str, float]) -> None:
+    """Scalars to every logger of the Trainer, on the step axis of ``self.log``."""
+    step = logger_step(trainer)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def add_text(trainer: "L.Trainer", tag: str, text: str) -> None:
+    """A TensorBoard text entry (rank zero; nothing without a TensorBoard logger)."""
+    writer = tensorboard_writer(trainer) if trainer.is_global_zero else None
+    if writer is not None:
+        writer.add_text(tag, text, global_step=logger_step(trainer))
+
+
 def console_print(trainer: "L.Trainer", line: str) -> None:
     """Print without breaking Lightning's progress bar (rank zero only)."""
     if not trainer.is_global_zero:
@@ -187,7 +201,6 @@ class TrainingMonitor(Callback):
         self._device_name = "cpu"
         self._flops_token: Optional[float] = None
         self._seq_len: Optional[int] = None
-        self._own_tokens = 0
         self._loss_sum: Optional[torch.Tensor] = None
         self._last_step = -1  # optimizer step of the previous on_train_batch_end
         self._window: Optional[dict[str, float]] = None  # time/step/tokens at the last line
@@ -201,9 +214,9 @@ class TrainingMonitor(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
-    def _tokens(self, pl_module: "L.LightningModule") -> int:
-        seen = getattr(pl_module, "tokens_seen", None)
-        return int(seen) if isinstance(seen, (int, float)) else self._own_tokens
+    @staticmethod
+    def _tokens(pl_module: "L.LightningModule") -> int:
+        return int(getattr(pl_module, "tokens_seen", 0))  # GPTLightningModule counts all ranks
 
     def _open_window(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         self._sync(pl_module)
@@ -213,17 +226,13 @@ class TrainingMonitor(Callback):
         if self._loss_sum is not None:
             self._loss_sum.zero_()
 
-    def _log_metrics(self, trainer: "L.Trainer", metrics: dict[str, float]) -> None:
-        step = logger_step(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+    @staticmethod
+    def _log_metrics(trainer: "L.Trainer", metrics: dict[str, float]) -> None:
+        log_metrics(trainer, metrics)
 
-    def _add_text(self, trainer: "L.Trainer", tag: str, text: str) -> None:
-        if not trainer.is_global_zero:
-            return
-        writer = tensorboard_writer(trainer)
-        if writer is not None:
-            writer.add_text(tag, text, global_step=logger_step(trainer))
+    @staticmethod
+    def _add_text(trainer: "L.Trainer", tag: str, text: str) -> None:
+        add_text(trainer, tag, text)
 
     # ------------------------------------------------------------------------- setup
     @override
@@ -296,14 +305,10 @@ class TrainingMonitor(Callback):
                 config = getattr(pl_module, "config", None)
                 if config is not None and hasattr(config, "n_layer"):
                     self._flops_token = flops_per_token(config, self._seq_len)
-            self._own_tokens += (batch.shape[1] - 1) * batch.shape[0] * trainer.world_size
         step = trainer.global_step
         if step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step = step
-        if self._window is None:
-            self._open_window(trainer, pl_module)
-            return
         if self._pending is not None:
             self._emit(trainer, pl_module)
         if step % self._every == 0 and step > self._window["step"]:

@@ -34,11 +34,11 @@ from typing import Any, Literal, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from .config import ConfigError
+from .monitor import add_text, log_metrics
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,7 @@ class NaNGuard(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step  # steps completed
-        if self._pending and (len(self._pending) >= self.check_every
-                              or step >= (trainer.max_steps or math.inf) > 0):
+        if len(self._pending) >= self.check_every:  # the rest is read in on_train_end
             self._check(trainer, pl_module)
         if self.bf16_until is not None and 0 <= self.bf16_until <= step:
             plugin = self._fp8_plugin(trainer)
@@ -288,17 +287,14 @@ class NaNGuard(Callback):
         event = {"event": kind, "step": int(step), "detail": detail}
         self.events.append(event)
         _info(f"NaN guard: {kind} at step {step}: {detail}", warning=kind != "fp8_reenabled")
+        plugin = self._fp8_plugin(trainer)
+        metrics = {"guard/skipped_steps": float(self.skipped_steps),
+                   "guard/fp8_incidents": float(self.fp8_incidents)}
+        if plugin is not None:
+            metrics["guard/fp8_active"] = float(plugin.fp8_active)
         if trainer.is_global_zero:
-            plugin = self._fp8_plugin(trainer)
-            metrics = {"guard/skipped_steps": float(self.skipped_steps),
-                       "guard/fp8_incidents": float(self.fp8_incidents)}
-            if plugin is not None:
-                metrics["guard/fp8_active"] = float(plugin.fp8_active)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_text("guard/events", f"step {step}: **{kind}** {detail}",
-                                               global_step=trainer.global_step)
+            log_metrics(trainer, metrics)
+        add_text(trainer, "guard/events", f"step {step}: **{kind}** {detail}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
