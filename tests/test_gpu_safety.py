@@ -84,7 +84,7 @@ class WallClock(L.Callback):
 
 
 def test_guard_overhead_at_gpt2_124m(capsys):
-    """GPT-2 124M, FP8 delayed, 8 x 1024 tokens: ms/step with and without the guard, ABAB.
+    """GPT-2 124M, FP8 delayed, 8 x 1024 tokens: ms/step with and without the guard, ABABAB.
 
     The guard runs with its defaults (flags read every log_every_n_steps=50 steps, snapshot
     every 500): the timed window (steps 60-180) holds two flag reads and no snapshot; the cost
@@ -92,7 +92,7 @@ def test_guard_overhead_at_gpt2_124m(capsys):
     """
     data = synthetic(8 * 200, 1024)
     results, snapshot_ms = {"off": [], "on": []}, []
-    for run in ("off", "on", "off", "on"):
+    for run in ("off", "on") * 3:  # ABABAB: run-to-run spread on this machine is ~3%
         L.seed_everything(0)
         module = GPTLightningModule(config=GPTConfig.from_name("gpt2"), warmup_steps=10,
                                     lr_decay_steps=1000)
@@ -115,7 +115,7 @@ def test_guard_overhead_at_gpt2_124m(capsys):
         print(f"\n[guard overhead] GPT-2 124M FP8 delayed, 8x1024 tok/step, "
               f"{torch.cuda.get_device_name()}: off {[round(x, 2) for x in results['off']]} ms/step, "
               f"on {[round(x, 2) for x in results['on']]} ms/step -> per-step {overhead:+.2%} (best "
-              f"of 2 each); snapshot of weights + AdamW state to pinned host memory: first (allocates) "
+              f"of 3 each); snapshot of weights + AdamW state to pinned host memory: first (allocates) "
               f"{[round(a) for a, _ in snapshot_ms]} ms, then {[round(b, 1) for _, b in snapshot_ms]} ms "
               f"-> {amortised:.2%} of step time at one snapshot per 500 steps")
     assert overhead < 0.02, overhead  # target < 1%; 2% leaves room for a shared machine's noise
