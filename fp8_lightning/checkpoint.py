@@ -59,31 +59,106 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     _fsync_dir(path.parent)
 
 
-def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
-                         mmap: bool = False) -> dict[str, Any]:
-    """Load a Lightning checkpoint with ``weights_only=True``; one clear error for bad files."""
-    path = Path(path)
-    if not path.is_file():
-        near = sorted(p.name for p in path.parent.glob("*.ckpt")) if path.parent.is_dir() else []
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist"
-                                + (f"; in that directory: {', '.join(near)}" if near else ""))
+SHARDED_META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory written by a sharded strategy (DCP shards plus Lightning's ``meta.pt``)."""
+    return Path(path).is_dir()
+
+
+def _torch_load(path: Path, what: str, map_location: Any, mmap: bool) -> Any:
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        raise CheckpointError(f"checkpoint {str(path)!r} holds objects other than tensors and plain "
+        raise CheckpointError(f"checkpoint {what!r} holds objects other than tensors and plain "
                               f"types ({found.group(1) if found else 'a pickled object'}; not "
                               "written by fp8-lightning): refusing to unpickle it") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
-        raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt "
+        raise CheckpointError(f"checkpoint {what!r} is truncated or corrupt "
                               f"({str(err).splitlines()[0]}); use an older checkpoint from "
-                              f"{str(path.parent)!r}") from None
-    required = ("state_dict", "pytorch-lightning_version")
+                              f"{str(Path(what).parent)!r}") from None
+
+
+def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
+                         mmap: bool = False) -> dict[str, Any]:
+    """Load a Lightning checkpoint with ``weights_only=True``; one clear error for bad files.
+
+    For a sharded checkpoint (a directory) this is its ``meta.pt``: everything but the weights and
+    optimizer state (``state_dict`` is absent; :func:`consolidate_checkpoint` gathers them).
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        missing = [n for n in (SHARDED_META, ".metadata") if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {str(path)!r} is a directory without "
+                                  f"{' and '.join(missing)}: not a complete sharded checkpoint; "
+                                  f"use an older checkpoint from {str(path.parent)!r}")
+        checkpoint = _torch_load(path / SHARDED_META, str(path), map_location, mmap)
+        required: tuple[str, ...] = ("pytorch-lightning_version",)
+    elif not path.is_file():
+        near = sorted(p.name for p in path.parent.glob("*.ckpt")
+                      if not p.name.startswith(".")) if path.parent.is_dir() else []
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist"
+                                + (f"; in that directory: {', '.join(near)}" if near else ""))
+    else:
+        checkpoint = _torch_load(path, str(path), map_location, mmap)
+        required = ("state_dict", "pytorch-lightning_version")
     if not isinstance(checkpoint, dict) or not all(k in checkpoint for k in required):
         keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (needs "
                               f"{' and '.join(required)}; found {keys})")
     return checkpoint
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint directory gathered into one ordinary Lightning checkpoint (CPU).
+
+    Full tensors, the single-GPU parameter names, and the optimizer state in Lightning's
+    ``optimizer_states`` list (its parameters keyed by name in the optimizer's own order, which
+    ``Optimizer.load_state_dict`` maps by position): the result resumes or evaluates on one GPU or
+    on the CPU (torch backend). A plain checkpoint file is returned as it is.
+    """
+    path = Path(path)
+    meta = load_checkpoint_file(path)  # validates (and is the whole thing for a file)
+    if not is_sharded_checkpoint(path):
+        return meta
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        checkpoint = _load_distributed_checkpoint(path)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - many types for torn shards
+        raise CheckpointError(f"checkpoint {str(path)!r}: its shards could not be read "
+                              f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})"
+                              ) from None
+    optimizers = sorted((k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)),
+                        key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizers]
+    return checkpoint
+
+
+def consolidate(checkpoint: str, output: Optional[str] = None) -> str:
+    """Gather a sharded (FSDP) checkpoint directory into one file that loads on one GPU or the CPU.
+
+    Args:
+        checkpoint: the sharded checkpoint directory (e.g. runs/x/checkpoints/last.ckpt).
+        output: the file to write; default ``consolidated-stepNNNNNNN.ckpt`` beside it (not a
+            ``last*`` name: ``--ckpt_path last`` keeps meaning the newest training checkpoint).
+    """
+    src = Path(checkpoint)
+    if not is_sharded_checkpoint(src):
+        if src.is_file():
+            raise CheckpointError(f"checkpoint {checkpoint!r} is already a single file")
+        load_checkpoint_file(src)  # the missing-file error, with the directory's checkpoints
+    checkpoint = consolidate_checkpoint(src)
+    dst = Path(output) if output else \
+        src.with_name(f"consolidated-step{int(checkpoint.get('global_step', 0)):07d}.ckpt")
+    atomic_torch_save(checkpoint, dst)
+    size = dst.stat().st_size
+    print(f"{dst} ({size / 2**20:.1f} MB): one file, loads on one GPU or the CPU")
+    return str(dst)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -99,7 +174,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return load_checkpoint_file(path, map_location=map_location)
+        return consolidate_checkpoint(path) if is_sharded_checkpoint(path) \
+            else load_checkpoint_file(path, map_location=map_location)
 
 
 class Checkpoint(ModelCheckpoint):
@@ -144,7 +220,9 @@ class Checkpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # `--ckpt_path last` is resolved before setup(): use the same default directory.
         self._use_default_dir(trainer)
-        return super()._find_last_checkpoints(trainer)
+        # Never a temporary (.last.ckpt.tmp-PID) left by a kill mid-write.
+        return {p for p in super()._find_last_checkpoints(trainer)
+                if not os.path.basename(p).startswith(".")}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -186,7 +264,11 @@ class Checkpoint(ModelCheckpoint):
 
     def _keep(self, last: Path, step: int) -> None:
         target = last.with_name(f"step-{step:07d}.ckpt")
-        if not target.exists():
+        if last.is_dir() and not target.exists():  # a sharded checkpoint: a directory of links
+            from .distributed import link_copy_directory
+
+            link_copy_directory(last, target)
+        elif not target.exists():
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             try:
                 os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
@@ -197,7 +279,12 @@ class Checkpoint(ModelCheckpoint):
             os.replace(tmp, target)
         kept = sorted(last.parent.glob("step-*.ckpt"))
         for old in kept[: max(0, len(kept) - self.keep_last)]:
-            old.unlink(missing_ok=True)
+            if old.is_dir():
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------- listing
@@ -211,7 +298,9 @@ def _human(n: float) -> str:
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """One row for ``checkpoints``: step, tokens, val loss, precision, size (or the error)."""
-    row: dict[str, Any] = {"file": path.name, "size": path.stat().st_size}
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
+        else path.stat().st_size
+    row: dict[str, Any] = {"file": path.name + ("/" if path.is_dir() else ""), "size": size}
     try:
         ckpt = load_checkpoint_file(path, mmap=True)
     except (CheckpointError, FileNotFoundError) as err:
@@ -229,7 +318,7 @@ def list_checkpoints(directory: str) -> list[dict[str, Any]]:
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
-    rows = [describe_checkpoint(p) for p in sorted(root.glob("*.ckpt"))]
+    rows = [describe_checkpoint(p) for p in sorted(root.glob("*.ckpt")) if not p.name.startswith(".")]
     return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0, r["file"]))
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningCLI
 
 from .bench import bench
-from .checkpoint import CheckpointError, checkpoints, load_checkpoint_file
+from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
 from .doctor import doctor
@@ -66,6 +66,14 @@ def checkpoints_command(argv: list[str]) -> None:
     _run_function(checkpoints, argv)
 
 
+def consolidate_command(argv: list[str]) -> None:
+    positional = []  # `consolidate DIR [OUTPUT]` as well as `--checkpoint DIR --output FILE`
+    while argv and not argv[0].startswith("-") and len(positional) < 2:
+        positional.append(argv.pop(0))
+    flags = [x for pair in zip(("--checkpoint", "--output"), positional) for x in pair]
+    _run_function(consolidate, flags + argv)
+
+
 def bench_command(argv: list[str]) -> None:
     _run_function(bench, argv)
 
@@ -89,6 +97,7 @@ def compare_command(argv: list[str]) -> None:
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
     "checkpoints": checkpoints_command,
+    "consolidate": consolidate_command,
     "bench": bench_command,
     "doctor": doctor_command,
     "generate": generate_command,

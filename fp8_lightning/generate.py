@@ -14,17 +14,17 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint_file
+from .checkpoint import CheckpointError, consolidate_checkpoint
 from .config import ConfigError, GPTConfig
 from .model import GPT
 
 
 def load_checkpoint(ckpt: str) -> dict[str, Any]:
     """The checkpoint, validated like every load (``checkpoint.load_checkpoint_file``), that
-    also carries a model config."""
+    also carries a model config; a sharded (FSDP) checkpoint directory is gathered in memory."""
     path = Path(ckpt).expanduser()
     try:
-        checkpoint = load_checkpoint_file(path)
+        checkpoint = consolidate_checkpoint(path)
     except CheckpointError as err:
         raise ConfigError([f"not a readable checkpoint: {err}"], "checkpoint") from None
     config = (checkpoint.get("hyper_parameters") or {}).get("config") or \

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
+from .distributed import full_tensor
 from .model import GPT
 from .te_support import te_status
 
@@ -138,12 +139,12 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_after_backward(self) -> None:
         # Total gradient norm before clipping, left on the device (no host sync): the NaN guard
-        # and the monitor read it in on_before_optimizer_step. (Callbacks' on_after_backward
-        # hooks run before this one, so an injected fault is seen here.)
+        # and the monitor read it in on_before_optimizer_step. Under FSDP the gradients are
+        # DTensor shards and the norm is all-reduced (a collective on the device, no host wait).
+        # (Callbacks' on_after_backward hooks run before this one, so an injected fault is seen.)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
-            norms = torch._foreach_norm(grads)
-            self.grad_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+            self.grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads)).float()
 
     @override
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
@@ -154,12 +155,11 @@ class GPTLightningModule(L.LightningModule):
         # what lets the NaN guard skip a step on the device.)
         if not gradient_clip_val:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
-        elif grads and self.grad_norm is not None:
-            coef = torch.clamp(gradient_clip_val / (self.grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
+        elif self.grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.parameters(), gradient_clip_val,
+                                                 self.grad_norm)
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -170,8 +170,10 @@ class GPTLightningModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+        # MeanMetric.compute() has already reduced over every rank: the value is the same on all,
+        # so sync_dist's mean leaves it unchanged (and keeps Lightning from warning).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
     @override
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:

@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from .distributed import is_sharded
 from .flops import Peak, flops_per_token, peak_for
 from .flops import mfu as mfu_of
 
@@ -408,13 +409,15 @@ class TrainingMonitor(Callback):
                 ppl = trainer.callback_metrics.get(VAL_PPL)
                 extra = "" if ppl is None else f" | val/ppl {float(ppl):.2f}"
                 console_print(trainer, f"step {step} | val/loss {float(val):.4f}{extra}")
-        if self.sample_prompt is not None and trainer.is_global_zero:
+        # Sharded parameters: every rank must run the model (same seed, same text); else rank 0.
+        if self.sample_prompt is not None and (trainer.is_global_zero
+                                               or is_sharded(trainer.strategy)):
             try:
                 text = self.sample(trainer, pl_module)
             except Exception as err:  # a sample must never stop training
                 text = None
                 log.warning("text sample failed: %s: %s", type(err).__name__, err)
-            if text is not None:
+            if text is not None and trainer.is_global_zero:
                 self._add_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
                 if self.console:
                     console_print(trainer, f"sample (step {step}): {text!r}")
@@ -438,8 +441,6 @@ class TrainingMonitor(Callback):
         model = getattr(pl_module, "model", None)
         if model is None or not hasattr(model, "generate"):
             return None
-        if "fsdp" in type(trainer.strategy).__name__.lower():
-            return None  # sharded parameters: rank zero alone cannot run the model
         from .tokenizer import get_tokenizer
 
         tok = get_tokenizer(self._tokenizer_name(trainer))

@@ -37,7 +37,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from .checkpoint import load_checkpoint_file
 from .config import ConfigError
+from .distributed import local_tensor
 from .monitor import add_text, log_metrics
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,10 @@ class NaNGuard(Callback):
             bad = norm_bad if bad is None else bad | norm_bad
         if bad is None:
             return
+        if trainer.world_size > 1:
+            # One rank's non-finite loss makes every rank skip: an all-reduce on the device (no
+            # host wait), so the replicas never diverge.
+            bad = trainer.strategy.reduce(bad.float(), reduce_op="max") > 0
         if self._device_skip:
             optimizer.found_inf = bad.float()  # fused AdamW skips the whole update on the device
             slot = len(self._pending)
@@ -175,8 +181,7 @@ class NaNGuard(Callback):
     # ------------------------------------------------------------------ the policy
     def _check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Read the pending flags (one transfer), log bad steps, act on an incident."""
-        flags = self._flags[: len(self._pending)].int()
-        flags = trainer.strategy.reduce(flags, reduce_op="max") if trainer.world_size > 1 else flags
+        flags = self._flags[: len(self._pending)].int()  # already the same on every rank
         bad_steps = [s for s, f in zip(self._pending, flags.tolist()) if f]
         self._pending = []
         self._flags.zero_()
@@ -225,12 +230,15 @@ class NaNGuard(Callback):
             self._load_snapshot(trainer, pl_module)
             return f"the in-memory snapshot of step {self._snapshot_step}"
         if self.rollback == "checkpoint":
-            found = _last_checkpoint_before(trainer, before)
-            if found is not None:
-                path, ckpt = found
-                pl_module.load_state_dict(ckpt["state_dict"], strict=False)
-                for optimizer, state in zip(trainer.optimizers, ckpt["optimizer_states"]):
-                    optimizer.load_state_dict(state)
+            path = _last_checkpoint_before(trainer, before)
+            if path is not None:
+                # Sharded strategies load weights and optimizer state in place (every rank);
+                # otherwise the whole checkpoint comes back and is loaded here.
+                ckpt = trainer.strategy.load_checkpoint(path)
+                if "state_dict" in ckpt:
+                    pl_module.load_state_dict(ckpt["state_dict"], strict=False)
+                    for optimizer, state in zip(trainer.optimizers, ckpt["optimizer_states"]):
+                        optimizer.load_state_dict(state)
                 return f"weights and optimizer state of {path} (step {ckpt['global_step']})"
         return "nothing (no good state older than the first bad step; weights are finite " \
                "because bad steps were skipped)"
@@ -244,7 +252,7 @@ class NaNGuard(Callback):
                 for p in group["params"]:
                     tensors.extend(v for v in optimizer.state.get(p, {}).values()
                                    if isinstance(v, torch.Tensor))
-        return tensors
+        return [local_tensor(t) for t in tensors]  # under FSDP: this rank's shards
 
     @torch.no_grad()
     def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -268,7 +276,7 @@ class NaNGuard(Callback):
         tensors = self._tensors(trainer, pl_module)
         host = self._snapshot["host"]
         if len(host) != len(tensors):  # optimizer state appeared after the snapshot
-            params = [p.data for p in pl_module.parameters()]
+            params = [local_tensor(p.data) for p in pl_module.parameters()]
             for t, h in zip(params, host):
                 t.copy_(h)
             for optimizer in trainer.optimizers:
@@ -309,14 +317,12 @@ class NaNGuard(Callback):
         self.bf16_until = state_dict.get("bf16_until")
 
 
-def _last_checkpoint_before(trainer: L.Trainer, step: int) -> Optional[tuple[str, dict]]:
+def _last_checkpoint_before(trainer: L.Trainer, step: int) -> Optional[str]:
     """The newest ``last.ckpt`` of the run's checkpoint callbacks written before ``step``."""
     for callback in trainer.checkpoint_callbacks:
         path = getattr(callback, "last_model_path", "") or ""
-        if path:
-            ckpt = trainer.strategy.load_checkpoint(path)
-            if ckpt.get("global_step", math.inf) <= step:
-                return path, ckpt
+        if path and load_checkpoint_file(path, mmap=True).get("global_step", math.inf) <= step:
+            return path
     return None
 
 
@@ -331,26 +337,33 @@ class FaultInjection(Callback):
             (the learning rate multiplied by ``lr_factor`` for that step: a real divergence).
         value: ``nan`` or ``inf`` for ``activation``/``grad``.
         lr_factor: learning-rate multiplier for ``kind=lr``.
+        ranks: hit only these global ranks (default: every rank), e.g. ``[1]`` to check that
+            one rank's bad step makes every rank skip.
     """
 
     def __init__(self, steps: Optional[list[int]] = None, from_step: Optional[int] = None,
                  kind: Literal["activation", "grad", "lr"] = "activation",
-                 value: Literal["nan", "inf"] = "nan", lr_factor: float = 1e4) -> None:
+                 value: Literal["nan", "inf"] = "nan", lr_factor: float = 1e4,
+                 ranks: Optional[list[int]] = None) -> None:
         if kind not in ("activation", "grad", "lr") or value not in ("nan", "inf"):
             raise ConfigError([f"FaultInjection(kind={kind!r}, value={value!r}); valid kinds: "
                                "activation, grad, lr; values: nan, inf"], "FaultInjection")
         self.steps, self.from_step = set(steps or []), from_step
         self.kind, self.value, self.lr_factor = kind, float(value), lr_factor
+        self.ranks = None if ranks is None else set(ranks)
         self._handle: Any = None
         self._saved_lrs: Optional[list[float]] = None
 
-    def _hit(self, step: int) -> bool:
+    def _hit(self, trainer: L.Trainer) -> bool:
+        step = trainer.global_step
+        if self.ranks is not None and trainer.global_rank not in self.ranks:
+            return False
         return step in self.steps or (self.from_step is not None and step >= self.from_step)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if not self._hit(trainer.global_step):
+        if not self._hit(trainer):
             return
         if self.kind == "activation":
             value = self.value
@@ -364,14 +377,16 @@ class FaultInjection(Callback):
             self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
             for g in optimizer.param_groups:
                 g["lr"] *= self.lr_factor
-        log.warning("FaultInjection: %s (%s) at step %d", self.kind,
-                    self.lr_factor if self.kind == "lr" else self.value, trainer.global_step)
+        log.warning("FaultInjection: %s (%s) at step %d on rank %d", self.kind,
+                    self.lr_factor if self.kind == "lr" else self.value, trainer.global_step,
+                    trainer.global_rank)
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.kind == "grad" and self._hit(trainer.global_step):
+        if self.kind == "grad" and self._hit(trainer):
             p = next(p for p in pl_module.parameters() if p.grad is not None)
-            p.grad.view(-1)[0] = self.value  # the module's on_after_backward (next) sees it
+            # (after DDP's all-reduce: only this rank's copy; under FSDP: this rank's shard)
+            local_tensor(p.grad).view(-1)[0] = self.value  # the module's on_after_backward sees it
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,

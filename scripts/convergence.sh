@@ -1,21 +1,16 @@
 #!/usr/bin/env bash
 # docs/convergence.md: GPT-2 124M, STEPS steps (same seed, data and batch) in BF16 and in each
 # Hopper FP8 recipe (delayed, current, block) on ~100 MB of real Python source (the GPU image's
-# site-packages). The four runs share one GPU concurrently (convergence is compared, not speed).
+# site-packages). With 4 GPUs each run has its own; with fewer the runs share them (convergence is
+# compared, not speed).
 # Usage: OUT=conv_out STEPS=2000 scripts/convergence.sh      Outputs: $OUT/<run>/ (TB logs).
 set -eu
 cd "$(dirname "$0")/.."
 OUT=${OUT:-conv_out}
 STEPS=${STEPS:-2000}
 PYTHON=${PYTHON:-python}
-DATA=${DATA:-/tmp/pycode-ds}
-mkdir -p "$OUT"
-if [ ! -f "$DATA/meta.json" ]; then
-    SRC=$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    $PYTHON scripts/py_corpus.py "$SRC" /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
-    $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA" \
-        --seq_len 1024 --val_fraction 0.005 --num_workers 16 2>&1 | grep -v "^INFO litdata" | tail -3
-fi
+. scripts/py_data.sh
+NGPU=$($PYTHON -c "import torch; print(max(1, torch.cuda.device_count()))")
 common=(--data.data_dir "$DATA" --data.batch_size 8 --data.num_workers 2
         --trainer.max_steps "$STEPS" --trainer.val_check_interval 250 --trainer.limit_val_batches 40
         --trainer.log_every_n_steps 25 --trainer.enable_progress_bar false --model.warmup_steps 100)
@@ -23,17 +18,17 @@ fp8() {  # fp8 RECIPE: the gpt2_fp8 config with only the recipe changed (its def
     echo --trainer.plugins.init_args.recipe "$1" --trainer.plugins.init_args.fp8_format null \
          --trainer.plugins.init_args.amax_history_len null --trainer.plugins.init_args.amax_compute_algo null
 }
-run() {  # run NAME CONFIG ARGS...
-    local name=$1 cfg=$2
-    shift 2
-    $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
+run() {  # run GPU NAME CONFIG ARGS...
+    local gpu=$(($1 % NGPU)) name=$2 cfg=$3
+    shift 3
+    CUDA_VISIBLE_DEVICES=$gpu $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }
-run bf16 configs/gpt2_bf16.yaml &
-run fp8-delayed configs/gpt2_fp8.yaml &
-run fp8-current configs/gpt2_fp8.yaml $(fp8 current) &
-run fp8-block configs/gpt2_fp8.yaml $(fp8 block) &
+run 0 bf16 configs/gpt2_bf16.yaml &
+run 1 fp8-delayed configs/gpt2_fp8.yaml &
+run 2 fp8-current configs/gpt2_fp8.yaml $(fp8 current) &
+run 3 fp8-block configs/gpt2_fp8.yaml $(fp8 block) &
 wait
 for name in bf16 fp8-delayed fp8-current fp8-block; do
     grep -E "precision:|FP8 verified|NaN guard|Error|error" "$OUT/$name.log" | head -5 | sed "s/^/$name: /"

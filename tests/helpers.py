@@ -76,3 +76,19 @@ class Snapshots(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
             self.params[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+class RankDigest(Callback):
+    """At the end of training, writes ``<path>/rank<R>.txt``: a SHA-1 of this rank's parameters
+    (replicas that took different optimizer steps have different digests)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        h = hashlib.sha1()
+        for p in pl_module.parameters():
+            h.update(p.detach().float().cpu().numpy().tobytes())
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, f"rank{trainer.global_rank}.txt"), "w") as f:
+            f.write(h.hexdigest())

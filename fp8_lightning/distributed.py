@@ -1,0 +1,219 @@
+"""Several GPUs: FSDP2 through Lightning's ``ModelParallelStrategy``, and sharded checkpoints.
+
+DDP needs nothing here: ``--trainer.strategy ddp`` works as it is, because ``FP8Precision``
+reduces the delayed-scaling amax over the data-parallel group and ``NaNGuard`` all-reduces its
+skip flag every step (one rank's NaN makes every rank skip).
+
+Why FSDP2 (``fully_shard``) and not FSDP1 (Lightning's ``FSDPStrategy``):
+
+* ``FSDPStrategy`` only takes an ``FSDPPrecision`` plugin, so the FP8 plugin would have to become
+  a second, FSDP-specific class (the reason Lightning's own TransformerEngine plugin cannot be
+  used with FSDP at all). ``ModelParallelStrategy`` takes any precision plugin: the one
+  ``FP8Precision`` serves single GPU, DDP and FSDP.
+* FSDP2 shards each parameter as a ``DTensor`` and keeps module and parameter names unchanged.
+  TE modules see ordinary tensors in forward (FSDP1 flattens them into one ``FlatParameter``),
+  and the checkpoint keys are the single-GPU keys.
+* Sharded checkpoints are ``torch.distributed.checkpoint`` (DCP) directories that reshard on load,
+  so a run saved on 4 GPUs resumes on 2. Lightning's ``ModelParallelStrategy`` writes and reads
+  them; this module makes the write atomic.
+* FSDP1 is in maintenance upstream; torchtitan and TE's own FSDP examples moved to FSDP2.
+
+FP8 scaling state under FSDP2: it never goes into the DCP shards. ``FP8Precision`` replaces each TE
+module's pickled ``_extra_state`` by an empty tensor and stores the delayed-scaling amax history
+and scales as plain tensors in its own state, which Lightning writes to the directory's
+``meta.pt`` (rank 0; the amaxes are reduced over all ranks, so every rank holds the same values).
+That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine issue #1860).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor``; any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor`` gathered (a collective, on the device); any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def is_sharded(strategy: Any) -> bool:
+    """Does ``strategy`` shard parameters (so that every rank must run every forward)?"""
+    return isinstance(strategy, ModelParallelStrategy) or "fsdp" in type(strategy).__name__.lower()
+
+
+def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
+                reshard_after_forward: bool = True) -> None:
+    """FSDP2 per transformer block, then the root (embeddings, final norm, LM head).
+
+    Args:
+        gpt: the :class:`~fp8_lightning.model.GPT`.
+        mesh: the 1-D data-parallel device mesh.
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (``None``: parameters in their own dtype).
+        reshard_after_forward: free each block's gathered weights after its forward (ZeRO-3).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    # GPT.forward returns a slice of the padded logits (a view); nothing modifies it in place, so
+    # FSDP2's warning about in-place ops on returned views does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+    for block in gpt.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(gpt, reshard_after_forward=False, **kwargs)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 data parallelism over every device: each block's parameters, gradients and optimizer
+    state sharded across ranks, the model gathered block by block in forward and backward.
+
+    Args:
+        reshard_after_forward: free each block's gathered weights after its forward (less memory,
+            one more all-gather in backward) or keep them until backward (faster, more memory).
+        param_dtype: dtype the gathered weights are computed in: ``bfloat16`` (half the all-gather
+            traffic of fp32; the fp32 shards stay the master weights and gradients are reduced in
+            fp32) or ``float32``.
+        save_distributed_checkpoint: checkpoints as directories of shards (written in parallel,
+            reshardable; ``python -m fp8_lightning consolidate`` makes one file of them) or as one
+            file gathered on rank 0.
+        process_group_backend: ``nccl`` on GPUs (default), ``gloo`` on CPUs.
+        timeout: collective timeout.
+    """
+
+    def __init__(self, reshard_after_forward: bool = True, param_dtype: str = "bfloat16",
+                 save_distributed_checkpoint: bool = True,
+                 process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
+        from .config import ConfigError
+
+        if param_dtype not in ("bfloat16", "float32"):
+            raise ConfigError([f"param_dtype={param_dtype!r}; valid: bfloat16, float32"],
+                              "FSDP2Strategy")
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+
+    @override
+    def setup_environment(self) -> None:
+        # Every device is one data-parallel rank (ModelParallelStrategy's "auto" would make the
+        # devices of a node a tensor-parallel group).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        module = self.lightning_module
+        gpt = getattr(module, "model", None)
+        if gpt is None or not hasattr(gpt, "blocks"):
+            raise TypeError(f"{type(self).__name__} shards a GPTLightningModule's `model.blocks`; "
+                            f"{type(module).__name__} has none")
+        mp_policy = None
+        if self.param_dtype == "bfloat16" and getattr(trainer.precision_plugin, "weights",
+                                                      trainer.precision) in ("bf16-mixed",):
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
+                    reshard_after_forward=self.reshard_after_forward)
+        super().setup(trainer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # Atomic: every rank writes its shard into a fresh temporary directory beside the target,
+        # then rank 0 swaps it in (renameat2 RENAME_EXCHANGE where the filesystem has it): a kill
+        # at any moment leaves the previous checkpoint or the new one, never a mix.
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(f".{path.name}.tmp-{self.broadcast(os.getpid())}")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier("fp8l_ckpt_tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("fp8l_ckpt_written")
+        if self.is_global_zero:
+            publish_directory(tmp, path)
+        self.barrier("fp8l_ckpt_published")
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def publish_directory(tmp: Path, path: Path) -> None:
+    """Put directory ``tmp`` at ``path``, replacing what is there, atomically where possible."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if os.path.lexists(path):
+        if _exchange(tmp, path):
+            old = tmp  # after the swap, tmp holds the previous checkpoint
+        else:  # two renames: in between, the previous checkpoint sits at `old` (never lost)
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def link_copy_directory(src: Path, dst: Path) -> None:
+    """``dst`` as a copy of checkpoint directory ``src`` made of hard links (no extra write)."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, tmp, copy_function=link)
+    publish_directory(tmp, dst)

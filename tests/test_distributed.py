@@ -1,0 +1,178 @@
+"""Several processes on the CPU (gloo): DDP and FSDP2 through the CLI and the shipped configs,
+sharded checkpoints, their consolidation, and the NaN guard's cross-rank decision."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_lightning.checkpoint import (Checkpoint, CheckpointError, consolidate_checkpoint,
+                                      list_checkpoints, load_checkpoint_file)
+from fp8_lightning.distributed import publish_directory
+from fp8_lightning.module import GPTLightningModule
+from tests._runs import run_cli
+
+TOKENS_PER_STEP = 8 * 128  # quickstart: batch 8 x seq 128 per rank
+
+
+def fit(root, *args, devices=2, config=None):
+    extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
+             str(devices)] if config else []
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra,
+                     "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+                     "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
+                     "--trainer.callbacks.init_args.every_n_train_steps", "3", *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def digests(path):
+    return {p.name: p.read_text() for p in sorted(Path(path).glob("rank*.txt"))}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    first = fit(root, "--trainer.max_steps", "6",
+                "--trainer.callbacks+=fp8_lightning.FaultInjection",
+                "--trainer.callbacks.kind", "grad", "--trainer.callbacks.steps", "[2]",
+                "--trainer.callbacks.ranks", "[1]",
+                "--trainer.callbacks+=tests.helpers.RankDigest",
+                "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
+    second = fit(root, "--trainer.max_steps", "9", "--ckpt_path", "last",
+                 "--trainer.callbacks+=tests.helpers.RankDigest",
+                 "--trainer.callbacks.path", str(root / "digest2"), config="configs/ddp.yaml")
+    return root, first, second
+
+
+def test_ddp_one_ranks_bad_gradient_makes_every_rank_skip(ddp_runs):
+    root, first, _ = ddp_runs
+    # The fault is on rank 1 only; rank 0 (the one that logs) skipped the same step ...
+    assert "FaultInjection: grad (nan) at step 2 on rank 1" in first
+    assert "NaN guard: skipped at step 2" in first
+    # ... so the replicas took the same optimizer steps and hold the same weights.
+    d = digests(root / "digest1")
+    assert len(d) == 2 and len(set(d.values())) == 1, d
+
+
+def test_ddp_checkpoint_counts_every_rank_and_resumes_in_step(ddp_runs):
+    root, _, second = ddp_runs
+    assert "data: resumed at block" in second and "(verified)" in second
+    ckpt = load_checkpoint_file(root / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 9
+    assert ckpt["tokens_seen"] == 9 * TOKENS_PER_STEP * 2  # two ranks
+    d = digests(root / "digest2")
+    assert len(d) == 2 and len(set(d.values())) == 1, d
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    first = fit(root, "--trainer.max_steps", "6", config="configs/fsdp.yaml")
+    (root / "after6").mkdir()
+    for name in (".metadata", "meta.pt"):  # the step-6 checkpoint's index, for the checks below
+        (root / "after6" / name).write_bytes((root / "checkpoints/last.ckpt" / name).read_bytes())
+    second = fit(root, "--trainer.max_steps", "9", "--ckpt_path", "last", config="configs/fsdp.yaml")
+    return root, first, second
+
+
+def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
+    root, first, second = fsdp_runs
+    last = root / "checkpoints" / "last.ckpt"
+    assert last.is_dir()
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                      "meta.pt"]
+    assert not [p for p in last.parent.iterdir() if p.name.startswith(".")]  # no temporaries
+    assert "data: resumed at block" in second and "(verified)" in second
+    assert "Restored all states from the checkpoint" in second
+    rows = {r["file"]: r for r in list_checkpoints(str(root / "checkpoints"))}
+    assert rows["last.ckpt/"]["step"] == 9 and rows["last.ckpt/"]["tokens"] == 9 * TOKENS_PER_STEP * 2
+    assert rows["last.ckpt/"]["size"] > 1e6
+
+
+def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process(
+        fsdp_runs, tmp_path):
+    root, _, _ = fsdp_runs
+    out = tmp_path / "one.ckpt"
+    result = run_cli("consolidate", str(root / "checkpoints" / "last.ckpt"), str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    ckpt = load_checkpoint_file(out)
+    # Full tensors under the single-GPU names, loadable into a plain (unsharded) module ...
+    module = GPTLightningModule(config=ckpt["hyper_parameters"]["config"], backend="torch",
+                                lr_decay_steps=100)
+    module.configure_model()
+    module.load_state_dict(ckpt["state_dict"])
+    # ... and optimizer state that maps onto the same parameters (by position, like Lightning).
+    optimizer = module.configure_optimizers()["optimizer"]
+    optimizer.load_state_dict(ckpt["optimizer_states"][0])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            assert optimizer.state[p]["exp_avg"].shape == p.shape
+            assert int(optimizer.state[p]["step"]) == 9
+    # One process, no strategy: training continues from step 9 with that optimizer state.
+    log = fit(tmp_path / "single", "--trainer.max_steps", "10", "--ckpt_path", str(out))
+    assert "Restored all states from the checkpoint" in log and "(verified)" in log
+    # generate reads the sharded directory directly.
+    result = run_cli("generate", "--ckpt", str(root / "checkpoints" / "last.ckpt"),
+                     "--max_new_tokens", "4", "--prompt", "ROMEO:")
+    assert result.returncode == 0 and result.stdout.startswith("ROMEO:"), result.stderr[-2000:]
+
+
+def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path):
+    root, _, _ = fsdp_runs
+    torn = tmp_path / "torn.ckpt"
+    torn.mkdir()
+    (torn / "meta.pt").write_bytes((root / "after6" / "meta.pt").read_bytes())
+    with pytest.raises(CheckpointError, match="without .metadata"):
+        load_checkpoint_file(torn)
+    (torn / ".metadata").write_bytes((root / "after6" / ".metadata").read_bytes())
+    with pytest.raises(CheckpointError, match="shards could not be read"):
+        consolidate_checkpoint(torn)  # the index is there, the shard files are not
+    result = run_cli("consolidate", str(root / "checkpoints" / "nope.ckpt"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_publish_directory_replaces_atomically_and_leaves_no_temporaries(tmp_path):
+    target = tmp_path / "last.ckpt"
+    for generation in ("old", "new"):
+        tmp = tmp_path / f".last.ckpt.tmp-{generation}"
+        tmp.mkdir()
+        (tmp / "shard").write_text(generation)
+        publish_directory(tmp, target)
+        assert (target / "shard").read_text() == generation
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_last_checkpoint_lookup_ignores_temporaries(tmp_path):
+    import lightning as L
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".last.ckpt.tmp-123").mkdir()  # a kill mid-write left it
+    callback = Checkpoint()
+    trainer = L.Trainer(default_root_dir=str(tmp_path), callbacks=[callback], logger=False)
+    assert callback._find_last_checkpoints(trainer) == set()
+    os.mkdir(tmp_path / "checkpoints" / "last.ckpt")
+    assert callback._find_last_checkpoints(trainer) == {str(tmp_path / "checkpoints" / "last.ckpt")}
+
+
+def test_torchrun_launch_is_picked_up_by_lightning(tmp_path):
+    # The multi-node recipe of the README, on one node: torchrun starts the processes and
+    # Lightning takes rank and world size from its environment (it does not spawn its own).
+    import subprocess
+    import sys
+
+    from tests._runs import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+         "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
+         "--config", "configs/ddp.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+         "--trainer.num_nodes", "1", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+         "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(tmp_path)],
+        cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log
+    ckpt = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 3 and ckpt["tokens_seen"] == 3 * TOKENS_PER_STEP * 2
