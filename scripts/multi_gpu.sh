@@ -6,9 +6,11 @@
 # Usage: scripts/multi_gpu.sh JOB...
 #   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then DDP and FSDP2 on 2 and 4 GPUs
 #                                           (STEPS steps; log lines after the first two are kept)
-#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU (batch 32), DDP and FSDP2
-#                  on 4 GPUs (batch 8 each); val loss at step 200. Then the FSDP2 run's sharded
-#                  step-100 checkpoint is resumed to step 200 (FP8 scaling state from meta.pt).
+#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU (batch 8 x 4 accumulated,
+#                  4 loader workers, so that each step mixes 4 workers' chunks as 4 ranks do), DDP
+#                  and FSDP2 (fp32 and bf16 gathers) on 4 GPUs (batch 8 each); val loss at step
+#                  200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to step 200
+#                  (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
 set -u
@@ -78,16 +80,22 @@ throughput() {  # throughput MODEL BATCH
         fit "tp-$model-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}"
         fit "tp-$model-fsdp-${n}gpu" "$n" configs/fsdp.yaml "${args[@]}"
     done
+    [ 4 -le "$NGPU" ] && fit "tp-$model-fsdp-bf16-4gpu" 4 configs/fsdp.yaml "${args[@]}" \
+        --trainer.strategy.init_args.param_dtype bfloat16
 }
 
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
-    fit loss-1gpu 1 none "${args[@]}" --data.batch_size 32
+    fit loss-1gpu 1 none "${args[@]}" --data.batch_size 8 --trainer.accumulate_grad_batches 4 \
+        --data.num_workers 4
     fit loss-ddp-4gpu 4 configs/ddp.yaml "${args[@]}" --data.batch_size 8
     # This one samples text at its validation: under FSDP every rank runs the sampler.
     fit loss-fsdp-4gpu 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
         --trainer.callbacks.init_args.sample_prompt "import torch"
+    fit loss-fsdp-bf16-4gpu 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
+        --trainer.strategy.init_args.param_dtype bfloat16 --trainer.enable_checkpointing false \
+        --trainer.callbacks '[{"class_path": "fp8_lightning.NaNGuard"}, {"class_path": "fp8_lightning.TrainingMonitor", "init_args": {"sample_prompt": null}}]'
     ls -la "$OUT/loss-fsdp-4gpu/checkpoints" "$OUT/loss-fsdp-4gpu/checkpoints/last.ckpt" | tee "$OUT/fsdp-ckpt-ls.txt"
     $PYTHON -m fp8_lightning checkpoints "$OUT/loss-fsdp-4gpu" | tee "$OUT/fsdp-checkpoints.txt"
     fit loss-fsdp-4gpu-resumed 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
@@ -107,4 +115,7 @@ for j in "$@"; do
     esac
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
-$PYTHON scripts/multi_gpu_summary.py "$OUT"
+$PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
+# The device returns few, shallow files: the logs travel as one archive.
+tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* loss-*)

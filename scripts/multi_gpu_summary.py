@@ -30,12 +30,12 @@ def main(out: Path) -> None:
           f"commit {(out / 'commit.txt').read_text().strip()[:7] if (out / 'commit.txt').exists() else '?'}")
     for model in ("gpt2", "gpt-1.3b"):
         runs = {p.stem.removeprefix(f"tp-{model}-"): read(p) for p in out.glob(f"tp-{model}-*gpu.log")
-                if p.stem.removeprefix(f"tp-{model}-").count("-") <= 1}
+                if p.stem.removeprefix(f"tp-{model}-").count("-") <= 2}
         if not runs:
             continue
         base = runs.get("1gpu", {}).get("tok_s")
         print(f"\nthroughput {model} (FP8 delayed, tok/s over all GPUs; scaling = tok/s / (N x 1-GPU tok/s))")
-        for name in ["1gpu", "ddp-2gpu", "fsdp-2gpu", "ddp-4gpu", "fsdp-4gpu"]:
+        for name in ["1gpu", "ddp-2gpu", "fsdp-2gpu", "ddp-4gpu", "fsdp-4gpu", "fsdp-bf16-4gpu"]:
             r = runs.get(name)
             if r is None:
                 continue
@@ -49,7 +49,8 @@ def main(out: Path) -> None:
     losses = {p.stem.removeprefix("loss-"): read(p) for p in out.glob("loss-*.log")}
     if losses:
         ref = losses.get("1gpu", {}).get("val", {}).get(200)
-        print("\nloss at step 200 (global batch 32 x 1024, FP8 delayed; val loss, 40 batches)")
+        print("\nloss at step 200 (global batch 32 x 1024, FP8 delayed; val loss, 40 batches;"
+              " fsdp = fp32 gathers, fsdp-bf16 = bfloat16 gathers)")
         for name, r in sorted(losses.items()):
             v = r["val"].get(200)
             gap = f"{100 * (v - ref) / ref:+.2f}%" if v is not None and ref else "-"
