@@ -92,11 +92,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     Args:
         reshard_after_forward: free each block's gathered weights after its forward (less memory,
             one more all-gather in backward) or keep them until backward (faster, more memory).
-        param_dtype: dtype of the gathered weights. ``float32`` (default): the fp32 master
-            weights are gathered and the precision plugin's BF16 autocast computes, exactly as on
-            one GPU or under DDP (same numerics). ``bfloat16``: half the all-gather traffic, but
-            the embedding output and so the residual stream become BF16 (measured: val loss at
-            step 200 differs from DDP by more than the fp32 gather does; docs/benchmarks.md).
+        param_dtype: dtype of the gathered weights. ``bfloat16`` (default): the fp32 master
+            shards are gathered as BF16 copies (half the traffic of fp32) and gradients are
+            reduced in fp32; the embedding output, and so the residual stream, is BF16.
+            ``float32``: fp32 gathers with BF16 autocast, the numerics of one GPU or DDP; with TE
+            FP8 layers TransformerEngine 2.20 fails in backward under FSDP2 ("GEMM requested the
+            columnwise representation, but it is unavailable"), so that combination is refused.
         save_distributed_checkpoint: checkpoints as directories of shards (written in parallel,
             reshardable; ``python -m fp8_lightning consolidate`` makes one file of them) or as one
             file gathered on rank 0.
@@ -104,7 +105,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         timeout: collective timeout.
     """
 
-    def __init__(self, reshard_after_forward: bool = True, param_dtype: str = "float32",
+    def __init__(self, reshard_after_forward: bool = True, param_dtype: str = "bfloat16",
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout) -> None:
@@ -141,7 +142,14 @@ class FSDP2Strategy(ModelParallelStrategy):
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
                     reshard_after_forward=self.reshard_after_forward)
-        super().setup(trainer)
+        super().setup(trainer)  # converts the module: the FP8 plugin knows now if FP8 runs
+        if mp_policy is None and getattr(trainer.precision_plugin, "fp8_available", False):
+            from .config import ConfigError
+
+            raise ConfigError([f"FSDP2Strategy.param_dtype={self.param_dtype!r} with FP8 "
+                               "TransformerEngine layers: TE fails in backward with fp32 gathers "
+                               "under FSDP2 (seen with TE 2.20); use param_dtype: bfloat16"],
+                              "trainer.strategy")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,

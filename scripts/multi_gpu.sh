@@ -11,6 +11,7 @@
 #                  and FSDP2 (fp32 and bf16 gathers) on 4 GPUs (batch 8 each); val loss at step
 #                  200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to step 200
 #                  (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
+#   resume-gpt2    only the FSDP2 part of loss-gpt2
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
 set -u
@@ -80,8 +81,7 @@ throughput() {  # throughput MODEL BATCH
         fit "tp-$model-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}"
         fit "tp-$model-fsdp-${n}gpu" "$n" configs/fsdp.yaml "${args[@]}"
     done
-    [ 4 -le "$NGPU" ] && fit "tp-$model-fsdp-bf16-4gpu" 4 configs/fsdp.yaml "${args[@]}" \
-        --trainer.strategy.init_args.param_dtype bfloat16
+
 }
 
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
@@ -90,12 +90,15 @@ loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP
     fit loss-1gpu 1 none "${args[@]}" --data.batch_size 8 --trainer.accumulate_grad_batches 4 \
         --data.num_workers 4
     fit loss-ddp-4gpu 4 configs/ddp.yaml "${args[@]}" --data.batch_size 8
+    resume
+}
+
+resume() {  # FSDP2 (4 GPUs), sharded checkpoints at 100 and 200; resume step 100 -> 200; consolidate
+    local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
+                --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     # This one samples text at its validation: under FSDP every rank runs the sampler.
     fit loss-fsdp-4gpu 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
         --trainer.callbacks.init_args.sample_prompt "import torch"
-    fit loss-fsdp-bf16-4gpu 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
-        --trainer.strategy.init_args.param_dtype bfloat16 --trainer.enable_checkpointing false \
-        --trainer.callbacks '[{"class_path": "fp8_lightning.NaNGuard"}, {"class_path": "fp8_lightning.TrainingMonitor", "init_args": {"sample_prompt": null}}]'
     ls -la "$OUT/loss-fsdp-4gpu/checkpoints" "$OUT/loss-fsdp-4gpu/checkpoints/last.ckpt" | tee "$OUT/fsdp-ckpt-ls.txt"
     $PYTHON -m fp8_lightning checkpoints "$OUT/loss-fsdp-4gpu" | tee "$OUT/fsdp-checkpoints.txt"
     fit loss-fsdp-4gpu-resumed 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
@@ -111,7 +114,8 @@ for j in "$@"; do
         throughput-gpt2)     throughput gpt2 16 ;;
         throughput-gpt-1.3b) throughput gpt-1.3b 8 ;;
         loss-gpt2)           loss ;;
-        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b loss-gpt2"; exit 2 ;;
+        resume-gpt2)         resume ;;
+        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b loss-gpt2 resume-gpt2"; exit 2 ;;
     esac
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
