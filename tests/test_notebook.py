@@ -16,7 +16,10 @@ FAST = dict(STEPS=6, BATCH_SIZE=2, LOG_EVERY=3, VAL_EVERY=6)
 
 def run_notebook(run_dir: Path, **parameters) -> dict[str, str]:
     """Execute the notebook as Jupyter would (kernel cwd: notebooks/) with the parameters cell's
-    values replaced; returns each code cell's text output (stdout, stderr, text/plain) by index."""
+    values replaced; returns each code cell's text output (stdout, stderr, text/plain) by index.
+
+    The runs and a fresh data cache go under ``run_dir``: the first training run prepares the
+    corpus, the second finds it (and must still start from the same weights)."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -29,7 +32,8 @@ def run_notebook(run_dir: Path, **parameters) -> dict[str, str]:
     cell.source = "\n".join(lines)
     # The kernel is the venv's python3 (ipykernel); it imports this checkout's package.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, MPLBACKEND="module://matplotlib_inline.backend_inline")
+    env = dict(os.environ, PYTHONPATH=path, FP8L_CACHE=str(run_dir / "cache"),
+               MPLBACKEND="module://matplotlib_inline.backend_inline")
     client = NotebookClient(nb, kernel_name="python3", timeout=600,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute(env=env)
