@@ -15,6 +15,8 @@ import glob
 import json
 import logging
 import os
+import random
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -35,6 +37,20 @@ META = "meta.json"
 # Chunks hold this many training blocks; each chunk is a multiple of the block so that no
 # block straddles two chunks (litdata's TokensLoader drops a chunk's partial tail).
 BLOCKS_PER_CHUNK = 256
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the Python, NumPy and torch (CPU) generators as they were before the block."""
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
 
 
 def default_cache_dir() -> Path:
@@ -212,8 +228,11 @@ class TokenShardDataModule(L.LightningDataModule):
         if (Path(self.dataset_dir) / META).is_file():
             return
         rank_zero_info(f"data: preparing the embedded tinyshakespeare corpus -> {self.dataset_dir}")
-        prepare([str(EMBEDDED_CORPUS)], self.dataset_dir, tokenizer=self.tokenizer,
-                seq_len=self.seq_len, val_fraction=0.1, num_workers=1)
+        # litdata's optimize draws from the global generators, and the model is initialised after
+        # prepare_data: without this, a cold cache would change the weights a seed gives.
+        with preserved_rng():
+            prepare([str(EMBEDDED_CORPUS)], self.dataset_dir, tokenizer=self.tokenizer,
+                    seq_len=self.seq_len, val_fraction=0.1, num_workers=1)
 
     def _check_local(self) -> None:
         root = Path(self.dataset_dir)

@@ -79,3 +79,22 @@ def test_datamodule_rejects_bad_settings_and_missing_data(tmp_path):
     dm = TokenShardDataModule(data_dir=str(tmp_path / "empty"), seq_len=64, batch_size=4)
     with pytest.raises(FileNotFoundError, match="is not a prepared dataset"):
         dm.setup("fit")
+
+
+def test_preparing_the_embedded_corpus_leaves_the_seeded_generators_alone(tmp_path):
+    """A cold cache must not change the weights a seed gives (the model is built after
+    prepare_data), or an FP8 run and a BF16 run of the same seed start from different weights."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    expected = draws()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    TokenShardDataModule(seq_len=64, batch_size=4, cache_dir=str(tmp_path)).prepare_data()
+    assert (tmp_path / "tinyshakespeare-gpt2-s64" / "meta.json").is_file()  # it did prepare
+    assert draws() == expected

@@ -1,0 +1,262 @@
+"""Every command in README.md is exercised: by a test named in ``COVERAGE``, by CI itself, or on
+the GPU machine. Commands run here: every ``fit`` command parses, every other command's flags
+exist, the migration table's overrides parse to what they say, the CPU FP8-vs-BF16 comparison and
+the doctor run as written."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8_lightning.cli import EXTRA_COMMANDS, main
+from fp8_lightning.te_support import te_status
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+CI = "ci"  # run by .ci/run (install + the whole suite)
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+GPU = "gpu"  # run by hand on the GPU machine (the lead's device runs)
+
+# README command (comments dropped, continuation lines joined, `&&` chains split, quotes removed)
+# -> where it is exercised: test node ids (checked below by collecting them), CI, or the GPU machine.
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "python3 -m venv .venv": (CI,),
+    ". .venv/bin/activate": (CI,),
+    "pip install -e .": (CI,),  # CI installs the same package with the dev extras
+    "pip install -e .[dev]": (CI,),
+    "python -m pytest -q": (CI,),
+    "pip install -e .[te]": (GPU,),
+    "python -m pytest -m gpu": (GPU,),
+    "python -m fp8_lightning fit --config configs/quickstart.yaml": (
+        "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",
+        "tests/test_cli.py::test_quickstart_loss_falls"),
+    "python -m fp8_lightning doctor": ("tests/test_doctor.py::test_no_config_reports_the_environment",),
+    "tensorboard --logdir runs/quickstart": (  # a viewer: what it shows is checked
+        "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",
+        "tests/test_monitor.py::test_tensorboard_scalars_after_a_short_fit"),
+    "python -m fp8_lightning checkpoints runs/quickstart": (
+        "tests/test_checkpoint.py::test_checkpoints_command_lists_step_tokens_loss_precision_size",),
+    "python -m fp8_lightning generate --ckpt runs/quickstart/checkpoints/last.ckpt --prompt ROMEO: "
+    "--max_new_tokens 100 --temperature 0.8 --top_k 200": (
+        "tests/test_generate.py::test_generate_command", "tests/test_generate.py::test_generate_python_api"),
+    "python -m fp8_lightning fit --config configs/quickstart.yaml --ckpt_path last": (
+        "tests/test_checkpoint.py::test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses",),
+    "python -m pytest -q tests/test_notebook.py": (
+        "tests/test_notebook.py::test_committed_notebook_has_no_outputs",
+        "tests/test_notebook.py::test_fp8_formats_are_computed_live",
+        "tests/test_notebook.py::test_training_states_what_ran_and_the_loss_is_finite",
+        "tests/test_notebook.py::test_doctor_explains_fp8_needs_a_gpu",
+        "tests/test_notebook.py::test_notebook_on_an_fp8_gpu_trains_fp8_and_shows_scaling"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --print_config": (
+        "tests/test_readme.py::test_fit_commands_parse", "tests/test_cli.py::test_print_config_and_dotted_overrides"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --model.config.name gpt2-medium "
+    "--trainer.max_steps 2000 --data.batch_size 8 --trainer.plugins.init_args.recipe current": (
+        GPU, "tests/test_readme.py::test_fit_commands_parse"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml": (
+        GPU, "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
+    "python -m fp8_lightning fit --config configs/gpt2_bf16.yaml": (GPU, "tests/test_readme.py::test_fit_commands_parse"),
+    "python -m fp8_lightning compare runs/gpt2_bf16 runs/gpt2_fp8 --output fp8_vs_bf16.png": (
+        GPU, "tests/test_compare.py::test_compare_command"),
+    "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.default_root_dir runs/quick_fp8": (
+        "tests/test_readme.py::test_quickstart_fp8_vs_bf16_comparison",),
+    "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.default_root_dir runs/quick_bf16 "
+    "--trainer.plugins null --trainer.precision bf16-mixed": (
+        "tests/test_readme.py::test_quickstart_fp8_vs_bf16_comparison",),
+    "python -m fp8_lightning compare runs/quick_bf16 runs/quick_fp8 --output quick_fp8_vs_bf16.png": (
+        "tests/test_readme.py::test_quickstart_fp8_vs_bf16_comparison",),
+    "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.callbacks+=fp8_lightning.FaultInjection "
+    "--trainer.callbacks.steps [100,101,102]": (
+        "tests/test_readme.py::test_fit_commands_parse",
+        "tests/test_safety.py::test_incident_rolls_back_switches_to_bf16_then_reenables_fp8",
+        "tests/test_safety.py::test_plain_bf16_run_errors_without_fp8_switch",
+        "tests/test_gpu_safety.py::test_real_fp8_divergence_falls_back_recovers_and_reenables_fp8"),
+    "python -m fp8_lightning prepare --inputs corpus/*.jsonl --output_dir data/mycorpus --text_field text "
+    "--seq_len 1024 --val_fraction 0.01": (
+        "tests/test_cli.py::test_prepare_command", "tests/test_data.py::test_prepare_jsonl_puts_eot_between_documents"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --data.data_dir data/mycorpus": (
+        GPU, "tests/test_readme.py::test_fit_commands_parse"),  # as scripts/convergence.sh runs it
+    "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml": (
+        GPU, "tests/test_gpu_bench.py::test_bench_runs_every_variant_or_says_why",
+        "tests/test_bench.py::test_bench_cli_prints_table_and_writes_json_and_png"),
+    "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml --model gpt-1.3b --batch_size 8 "
+    "--variants torch-compile,te-bf16,fp8-delayed,fp8-current --steps 20": (
+        GPU, "tests/test_gpu_bench.py::test_bench_cli_on_gpu"),
+    "python -m fp8_lightning doctor --config configs/gpt2_fp8.yaml": (
+        "tests/test_readme.py::test_doctor_command_on_cpu",
+        "tests/test_gpu_bench.py::test_doctor_probe_predicts_and_compares_with_bench"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --trainer.callbacks+=fp8_lightning.FP8Stats "
+    "--trainer.callbacks.every_n_steps 100": (
+        "tests/test_readme.py::test_fit_commands_parse",
+        "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
+}
+
+
+def readme_commands(text: str = README) -> list[str]:
+    """The commands of the ```bash blocks, in order, each once."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            part: list[str] = []
+            for token in shlex.split(line, comments=True) + ["&&"]:
+                if token != "&&":
+                    part.append(token)
+                elif part:
+                    commands.append(" ".join(part))
+                    part = []
+    return list(dict.fromkeys(commands))
+
+
+def fp8_lightning_commands(subcommand: str) -> list[list[str]]:
+    """The arguments of each README ``python -m fp8_lightning SUBCOMMAND ...``."""
+    prefix = ["python", "-m", "fp8_lightning", subcommand]
+    return [shlex.split(c)[4:] for c in readme_commands() if shlex.split(c)[:4] == prefix]
+
+
+def run_main(capsys, argv: list[str]) -> tuple[int, str, str]:
+    """``python -m fp8_lightning ARGV`` in this process: (exit status, stdout, stderr)."""
+    from unittest import mock
+
+    try:
+        with mock.patch.object(sys, "argv", ["fp8_lightning"]):  # the args come from argv only
+            main(argv)
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the README's paths are relative to the repository root
+
+
+def test_every_readme_command_is_covered():
+    commands = readme_commands()
+    assert len(commands) > 20
+    missing = [c for c in commands if c not in COVERAGE]
+    stale = [c for c in COVERAGE if c not in commands]
+    assert not missing, "README commands without a test (add them to COVERAGE):\n" + "\n".join(missing)
+    assert not stale, "COVERAGE lists commands the README no longer has:\n" + "\n".join(stale)
+
+
+def test_coverage_names_tests_that_exist():
+    nodes = {n for where in COVERAGE.values() for n in where if n not in (CI, GPU)}
+    files = sorted({n.split("::")[0] for n in nodes})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+        cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=300)
+    collected = {line.split("[")[0] for line in result.stdout.splitlines() if "::" in line}
+    assert collected, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted(nodes - collected) == []
+
+
+def test_ci_commands_are_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command, where in COVERAGE.items():
+        if CI in where and command != "pip install -e .":  # the plain install: CI adds [dev]
+            assert command in " ".join(shlex.split(ci, comments=True)), command
+
+
+@pytest.mark.parametrize("argv", fp8_lightning_commands("fit"), ids=" ".join)
+def test_fit_commands_parse(argv, capsys, at_root):
+    """Every README `fit` command is a valid command line (`--print_config` parses and exits)."""
+    code, out, err = run_main(capsys, ["fit", *argv, "--print_config"])
+    assert code == 0, err[-3000:]
+    assert out.startswith("# lightning.pytorch==") and "model:" in out
+
+
+@pytest.mark.parametrize("argv", [[sub, *argv] for sub in EXTRA_COMMANDS
+                                  for argv in fp8_lightning_commands(sub)], ids=" ".join)
+def test_other_commands_take_their_flags(argv, capsys):
+    """Each flag a README `prepare/checkpoints/generate/compare/bench/doctor` command uses exists."""
+    code, out, err = run_main(capsys, [argv[0], "--help"])
+    assert code == 0, err
+    for flag in (a for a in argv[1:] if a.startswith("--")):
+        assert re.search(rf"{re.escape(flag)}\b", out), f"{argv[0]} --help has no {flag}"
+
+
+def migration_overrides() -> list[str]:
+    """The backticked ``--...`` overrides in the right column of the migration table."""
+    section = README.split("## Coming from a hand-written `train_fp8.py`", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    assert len(rows) == 11, rows
+    cells = [re.split(r"(?<!\\)\|", row)[2] for row in rows]
+    return list(dict.fromkeys(o for cell in cells for o in re.findall(r"`(--[^`]+)`", cell)))
+
+
+@pytest.mark.parametrize("override", migration_overrides())
+def test_migration_table_overrides_parse(override, capsys, at_root):
+    """Each override in the migration table parses and sets what it names (`interval` must be
+    refused: removed in TransformerEngine 2.x)."""
+    args = shlex.split(override)
+    if args[-1].endswith(".interval"):
+        code, _, err = run_main(capsys, ["fit", "--config", "configs/gpt2_fp8.yaml", *args, "1",
+                                         "--print_config"])
+        assert code != 0 and "Option 'interval' is not accepted" in err
+        return
+    code, out, err = run_main(capsys, ["fit", "--config", "configs/gpt2_fp8.yaml", *args,
+                                       "--print_config"])
+    assert code == 0, err[-3000:]
+    for key, value in zip(args[::2], args[1::2]):
+        field = key.lstrip("-").split(".")[-1]
+        # (jsonargparse prints an int given to an int-or-float field as a float: 20 -> 20.0)
+        assert re.search(rf"^\s*{re.escape(field)}: {re.escape(value)}(\.0)?$", out, re.M), (key, value)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_checkpoint_is_the_last_callback_of_every_config(config, capsys, at_root):
+    """The README: `--trainer.callbacks.init_args.<field>` reaches the Checkpoint callback."""
+    code, out, err = run_main(capsys, ["fit", "--config", f"configs/{config}",
+                                       "--trainer.callbacks.init_args.every_n_train_steps", "123",
+                                       "--print_config"])
+    assert code == 0, err[-3000:]
+    assert "every_n_train_steps: 123" in out
+
+
+def test_quickstart_fp8_vs_bf16_comparison(tmp_path, capsys):
+    """The README's CPU comparison, as written, shortened to 3 small steps."""
+    quick = [a for a in fp8_lightning_commands("fit") if any(x.startswith("runs/quick_") for x in a)]
+    (compare,) = [a for a in fp8_lightning_commands("compare") if "runs/quick_bf16" in a]
+    assert len(quick) == 2
+    # (limit_val_batches 2, not 1: jsonargparse turns 1 into 1.0, which Lightning reads as 100%)
+    short = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--data.batch_size", "2",
+             "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1"]
+
+    def in_tmp(argv):
+        return [a.replace("runs/", f"{tmp_path}/runs/", 1) if a.startswith("runs/") else a for a in argv]
+
+    def fit(argv):
+        result = subprocess.run([sys.executable, "-m", "fp8_lightning", "fit", *in_tmp(argv), *short],
+                                cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    fp8, bf16 = (fit(argv) for argv in quick)
+    code, table, err = run_main(capsys, ["compare", *in_tmp(compare[:-1]), str(tmp_path / compare[-1])])
+    assert code == 0, err
+    assert (tmp_path / "quick_fp8_vs_bf16.png").is_file()
+    assert "precision: bf16-mixed" in bf16.stderr
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()
+            if line.startswith(str(tmp_path))}
+    fp8_row, bf16_row = rows[f"{tmp_path}/runs/quick_fp8"], rows[f"{tmp_path}/runs/quick_bf16"]
+    assert bf16_row[1] == "bf16-mixed"
+    if te_status()[0]:
+        assert "precision: FP8 delayed" in fp8.stderr and fp8_row[1].startswith("FP8")
+    else:  # the fallback is the BF16 computation itself: the same losses
+        assert "FP8 is not available:" in fp8.stderr and fp8_row[1] == "BF16 (fallback)"
+        assert fp8_row[2:5] == bf16_row[2:5]  # final loss, min loss, final val loss
+
+
+def test_doctor_command_on_cpu(capsys, at_root):
+    if te_status()[0]:
+        pytest.skip("an FP8 machine: tests/test_gpu_bench.py runs the probe")
+    (argv,) = [a for a in fp8_lightning_commands("doctor") if a]  # the one with --config
+    code, out, _ = run_main(capsys, ["doctor", *argv])
+    assert code == 1  # FP8 requested but unusable here
+    assert "FP8 delayed is requested but CANNOT run here" in out
+    assert "FP8 needs an NVIDIA GPU with compute capability >= 8.9" in out
