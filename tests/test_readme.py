@@ -20,6 +20,7 @@ README = (ROOT / "README.md").read_text()
 CI = "ci"  # run by .ci/run (install + the whole suite)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 GPU = "gpu"  # run by hand on the GPU machine (the lead's device runs)
+NO_CLUSTER = "not run: needs a SLURM cluster"  # the README says so beside the command
 
 # README command (comments dropped, continuation lines joined, `&&` chains split, quotes removed)
 # -> where it is exercised: test node ids (checked below by collecting them), CI, or the GPU machine.
@@ -92,6 +93,20 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "--trainer.callbacks.every_n_steps 100": (
         "tests/test_readme.py::test_fit_commands_parse",
         "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
+    # Several GPUs: the same strategies on CPU processes (gloo) here; on 4 H200s by
+    # scripts/multi_gpu.sh (docs/benchmarks.md).
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml":
+        ("tests/test_distributed.py::test_ddp_checkpoint_counts_every_rank_and_resumes_in_step", GPU),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4":
+        ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4 --ckpt_path last":
+        ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
+    "python -m fp8_lightning consolidate runs/gpt2_fp8/checkpoints/last.ckpt runs/gpt2_fp8/gpt2-step5000.ckpt":
+        ("tests/test_distributed.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint head-node:29500 -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.num_nodes 2 --trainer.devices 8":
+        ("tests/test_distributed.py::test_torchrun_launch_is_picked_up_by_lightning",),  # one node, 2 processes
+    "srun python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml --trainer.num_nodes 2 --trainer.devices 8":
+        (NO_CLUSTER,),
 }
 
 
@@ -145,7 +160,7 @@ def test_every_readme_command_is_covered():
 
 
 def test_coverage_names_tests_that_exist():
-    nodes = {n for where in COVERAGE.values() for n in where if n not in (CI, GPU)}
+    nodes = {n for where in COVERAGE.values() for n in where if n not in (CI, GPU, NO_CLUSTER)}
     files = sorted({n.split("::")[0] for n in nodes})
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
