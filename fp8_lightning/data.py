@@ -187,13 +187,20 @@ class TokenShardDataModule(L.LightningDataModule):
         seed: the shuffle seed.
         cache_dir: where the embedded default is prepared (default ``~/.cache/fp8_lightning`` or
             ``$FP8L_CACHE``).
+        emulate_ranks: on one device, read the sample order of this many data-parallel ranks,
+            one rank per micro-batch (set ``trainer.accumulate_grad_batches`` to the same N): a
+            single-GPU reference that sees at every optimizer step exactly the samples an N-GPU
+            run with the same ``batch_size`` and ``num_workers`` sees. Such a run cannot resume.
     """
 
     def __init__(self, data_dir: Optional[str] = None, seq_len: int = 1024, batch_size: int = 8,
                  num_workers: int = 2, tokenizer: str = "gpt2", shuffle: bool = True,
-                 seed: int = 42, cache_dir: Optional[str] = None) -> None:
+                 seed: int = 42, cache_dir: Optional[str] = None,
+                 emulate_ranks: Optional[int] = None) -> None:
         super().__init__()
         problems = []
+        if emulate_ranks is not None and (not isinstance(emulate_ranks, int) or emulate_ranks < 1):
+            problems.append(f"data.emulate_ranks={emulate_ranks!r} must be a positive integer")
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or value <= 0:
                 problems.append(f"data.{key}={value!r} must be a positive integer")
@@ -204,6 +211,8 @@ class TokenShardDataModule(L.LightningDataModule):
         check_micro_batch(batch_size, seq_len)
         self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
         self.num_workers, self.tokenizer, self.shuffle, self.seed = num_workers, tokenizer, shuffle, seed
+        self.emulate_ranks = emulate_ranks
+        self._rank_datasets: list[Any] = []
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.meta: dict[str, Any] = {}
         self.train_dataset = self.val_dataset = None
@@ -269,6 +278,34 @@ class TokenShardDataModule(L.LightningDataModule):
                                    f"block of seq_len+1={block} tokens"], "data")
         rank_zero_info(f"data: {self.dataset_dir}: {len(self.train_dataset):,} train / "
                        f"{len(self.val_dataset):,} val blocks of {block} tokens")
+        if self.emulate_ranks and stage == "fit":
+            self._rank_datasets = self._emulated_ranks(make)
+
+    def _emulated_ranks(self, make: Any) -> list[Any]:
+        """One training dataset per emulated rank, each told it is rank k of N (litdata assigns
+        chunks to ranks from ``distributed_env``, read once at construction)."""
+        from litdata.utilities.env import _DistributedEnv
+
+        n = self.emulate_ranks
+        trainer = getattr(self, "trainer", None)
+        problems = []
+        if trainer is not None and trainer.world_size != 1:
+            problems.append(f"data.emulate_ranks={n} emulates ranks on one device; this run has "
+                            f"{trainer.world_size} (use it with trainer.devices 1)")
+        if trainer is not None and trainer.accumulate_grad_batches != n:
+            problems.append(f"data.emulate_ranks={n} needs trainer.accumulate_grad_batches={n} "
+                            f"(one micro-batch per emulated rank per step); it is "
+                            f"{trainer.accumulate_grad_batches}")
+        if problems:
+            raise ConfigError(problems, "data")
+        datasets = []
+        for rank in range(n):
+            ds = make("train", self.shuffle)
+            ds.distributed_env = _DistributedEnv(world_size=n, global_rank=rank, num_nodes=1)
+            datasets.append(ds)
+        rank_zero_info(f"data: emulating {n} data-parallel ranks on one device (micro-batch i of "
+                       f"each step reads rank i's samples)")
+        return datasets
 
     def _loader(self, dataset: Any) -> Any:
         from litdata import StreamingDataLoader
@@ -278,6 +315,9 @@ class TokenShardDataModule(L.LightningDataModule):
                                    pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> Any:
+        if self._rank_datasets:
+            self._train_loader = None  # no resumable loader state (see emulate_ranks)
+            return _Interleaved([self._loader(ds) for ds in self._rank_datasets])
         self._train_loader = self._loader(self.train_dataset)
         return self._train_loader
 
@@ -303,6 +343,7 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._identity(), "batch_size": self.batch_size, "position": self._position(),
+                "emulate_ranks": self.emulate_ranks,
                 "epoch": getattr(self._train_loader, "current_epoch", None)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -313,6 +354,9 @@ class TokenShardDataModule(L.LightningDataModule):
                     f"{state_dict[key]!r} ({why[key]})"
                     for key, value in self._identity().items()
                     if key in state_dict and state_dict[key] != value]
+        if self.emulate_ranks or state_dict.get("emulate_ranks"):
+            problems.append(f"data.emulate_ranks={state_dict.get('emulate_ranks') or self.emulate_ranks}"
+                            ": a reference run that emulates ranks cannot resume (nor be resumed)")
         if problems:
             raise ConfigError(problems + ["resume with the checkpoint's values, or start a new run "
                                           "without --ckpt_path"], "data for this checkpoint")
@@ -344,3 +388,17 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> Any:
         return self._loader(self.val_dataset)
+
+
+class _Interleaved:
+    """Micro-batch ``i`` of each round from loader ``i`` (one emulated rank per loader)."""
+
+    def __init__(self, loaders: list[Any]) -> None:
+        self.loaders = loaders
+
+    def __iter__(self) -> Any:
+        for batches in zip(*self.loaders):
+            yield from batches
+
+    def __len__(self) -> int:
+        return min(len(loader) for loader in self.loaders) * len(self.loaders)

@@ -6,11 +6,11 @@
 # Usage: scripts/multi_gpu.sh JOB...
 #   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then DDP and FSDP2 on 2 and 4 GPUs
 #                                           (STEPS steps; log lines after the first two are kept)
-#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU (batch 8 x 4 accumulated,
-#                  4 loader workers, so that each step mixes 4 workers' chunks as 4 ranks do), DDP
-#                  and FSDP2 (fp32 and bf16 gathers) on 4 GPUs (batch 8 each); val loss at step
-#                  200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to step 200
-#                  (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
+#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the 4 ranks' samples
+#                  (data.emulate_ranks 4, batch 8 x 4 accumulated: at every step exactly the
+#                  samples of the 4-GPU runs), DDP and FSDP2 on 4 GPUs (batch 8 each); val loss
+#                  at step 200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to
+#                  step 200 (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
 #   resume-gpt2    only the FSDP2 part of loss-gpt2
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
@@ -88,7 +88,7 @@ loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     fit loss-1gpu 1 none "${args[@]}" --data.batch_size 8 --trainer.accumulate_grad_batches 4 \
-        --data.num_workers 4
+        --data.emulate_ranks 4
     fit loss-ddp-4gpu 4 configs/ddp.yaml "${args[@]}" --data.batch_size 8
     resume
 }

@@ -176,3 +176,40 @@ def test_torchrun_launch_is_picked_up_by_lightning(tmp_path):
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log
     ckpt = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 3 and ckpt["tokens_seen"] == 3 * TOKENS_PER_STEP * 2
+
+
+def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path):
+    """data.emulate_ranks: the single-device reference for a multi-GPU run reads, at every
+    optimizer step, the very samples the ranks of that run read (so their losses can be compared)."""
+    import json
+
+    small = ["--trainer.max_steps", "4", "--data.batch_size", "4", "--data.num_workers", "1",
+             "--trainer.limit_val_batches", "0", "--trainer.callbacks+=tests.helpers.BatchLog"]
+
+    def samples_per_step(path):
+        steps = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            steps.setdefault(row["step"], []).extend(row["samples"])
+        return {step: sorted(s) for step, s in steps.items()}
+
+    fit(tmp_path / "ddp", *small, "--trainer.callbacks.path", str(tmp_path / "ddp.jsonl"),
+        config="configs/ddp.yaml")
+    log = fit(tmp_path / "one", *small, "--trainer.callbacks.path", str(tmp_path / "one.jsonl"),
+              "--data.emulate_ranks", "2", "--trainer.accumulate_grad_batches", "2")
+    assert "emulating 2 data-parallel ranks" in log
+    ddp, one = samples_per_step(tmp_path / "ddp.jsonl"), samples_per_step(tmp_path / "one.jsonl")
+    assert sorted(ddp) == sorted(one) == [0, 1, 2, 3]
+    assert all(len(ddp[s]) == 8 for s in ddp)  # 2 ranks x 4
+    assert ddp == one
+    # A normal run (no emulation) reads another order: the comparison above is not vacuous.
+    fit(tmp_path / "plain", *small[:-1], "--data.batch_size", "8", "--trainer.callbacks+=tests.helpers.BatchLog",
+        "--trainer.callbacks.path", str(tmp_path / "plain.jsonl"))
+    assert samples_per_step(tmp_path / "plain.jsonl") != ddp
+
+
+def test_emulate_ranks_needs_matching_accumulation(tmp_path):
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "1",
+                     "--trainer.default_root_dir", str(tmp_path), "--data.emulate_ranks", "2")
+    assert result.returncode == 2
+    assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in result.stderr
