@@ -18,6 +18,7 @@ from .bench import bench
 from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
+from .fp8 import FP8UnavailableError
 from .doctor import doctor
 from .module import GPTLightningModule
 from .safety import NonFiniteTrainingError
@@ -105,7 +106,8 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
-USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointError, NonFiniteTrainingError)
+USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointError, NonFiniteTrainingError,
+               FP8UnavailableError)
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:

@@ -175,6 +175,10 @@ def _find_gpt(module: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else module
 
 
+class FP8UnavailableError(RuntimeError):
+    """FP8 was required (``on_unavailable: error``) but cannot run here; the message says why."""
+
+
 class FP8Precision(Precision):
     """FP8 training with TransformerEngine, falling back to BF16 with a reason.
 
@@ -274,8 +278,8 @@ class FP8Precision(Precision):
         if not ok:
             message = f"FP8 is not available: {reason}. Training runs BF16."
             if self.on_unavailable == "error":
-                raise RuntimeError(message.replace("Training runs BF16.",
-                                                   "on_unavailable=error, stopping."))
+                raise FP8UnavailableError(message.replace("Training runs BF16.",
+                                                          "on_unavailable=error, stopping."))
             _warn(message)
             self.fp8_active, self.reason = False, reason
             self._record("unavailable", reason)

@@ -126,3 +126,19 @@ def test_plugin_trains_the_torch_backend_with_the_trainer(tmp_path):
     assert trainer.global_step == 8
     assert trainer.precision_plugin.effective_precision == "bf16"
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys):
+    from pathlib import Path
+
+    from fp8_lightning.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    with pytest.raises(SystemExit) as exit:
+        main(["fit", "--config", str(config), "--trainer.max_steps", "1",
+              "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.plugins.init_args.on_unavailable", "error"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert "error: FP8 is not available: " in err and "on_unavailable=error, stopping." in err
+    assert "Traceback" not in err
