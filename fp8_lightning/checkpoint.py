@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -59,11 +61,65 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     _fsync_dir(path.parent)
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def publish_directory(tmp: Path, path: Path) -> None:
+    """Put directory ``tmp`` at ``path``, replacing what is there, atomically where possible."""
+    for f in tmp.rglob("*"):  # (Lightning's meta.pt is not fsynced by its writer)
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if os.path.lexists(path):
+        if _exchange(tmp, path):
+            old = tmp  # after the swap, tmp holds the previous checkpoint
+        else:  # two renames: in between, the previous checkpoint sits at `old` (never lost)
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def link_copy_directory(src: Path, dst: Path) -> None:
+    """``dst`` as a copy of checkpoint directory ``src`` made of hard links (no extra write)."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, tmp, copy_function=link)
+    publish_directory(tmp, dst)
+
+
 SHARDED_META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory written by a sharded strategy (DCP shards plus Lightning's ``meta.pt``)."""
+    """A directory: what sharded strategies write (DCP shards plus Lightning's ``meta.pt``;
+    :func:`load_checkpoint_file` says which part is missing from an incomplete one)."""
     return Path(path).is_dir()
 
 
@@ -112,7 +168,7 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
     return checkpoint
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
     """A sharded checkpoint directory gathered into one ordinary Lightning checkpoint (CPU).
 
     Full tensors, the single-GPU parameter names, and the optimizer state in Lightning's
@@ -121,7 +177,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     on the CPU (torch backend). A plain checkpoint file is returned as it is.
     """
     path = Path(path)
-    meta = load_checkpoint_file(path)  # validates (and is the whole thing for a file)
+    meta = load_checkpoint_file(path, map_location=map_location)  # validates; all of a file
     if not is_sharded_checkpoint(path):
         return meta
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
@@ -152,6 +208,9 @@ def consolidate(checkpoint: str, output: Optional[str] = None) -> str:
         if src.is_file():
             raise CheckpointError(f"checkpoint {checkpoint!r} is already a single file")
         load_checkpoint_file(src)  # the missing-file error, with the directory's checkpoints
+    if output and Path(output).is_dir():
+        raise CheckpointError(f"consolidate --output {output!r} is a directory; give a file name "
+                              f"such as {str(Path(output) / 'consolidated.ckpt')!r}")
     checkpoint = consolidate_checkpoint(src)
     dst = Path(output) if output else \
         src.with_name(f"consolidated-step{int(checkpoint.get('global_step', 0)):07d}.ckpt")
@@ -174,8 +233,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return consolidate_checkpoint(path) if is_sharded_checkpoint(path) \
-            else load_checkpoint_file(path, map_location=map_location)
+        return consolidate_checkpoint(path, map_location=map_location)
 
 
 class Checkpoint(ModelCheckpoint):
@@ -265,8 +323,6 @@ class Checkpoint(ModelCheckpoint):
     def _keep(self, last: Path, step: int) -> None:
         target = last.with_name(f"step-{step:07d}.ckpt")
         if last.is_dir() and not target.exists():  # a sharded checkpoint: a directory of links
-            from .distributed import link_copy_directory
-
             link_copy_directory(last, target)
         elif not target.exists():
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -280,8 +336,6 @@ class Checkpoint(ModelCheckpoint):
         kept = sorted(last.parent.glob("step-*.ckpt"))
         for old in kept[: max(0, len(kept) - self.keep_last)]:
             if old.is_dir():
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 old.unlink(missing_ok=True)

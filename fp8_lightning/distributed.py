@@ -27,7 +27,6 @@ That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -42,6 +41,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
+
+from .checkpoint import publish_directory
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(strategy: Any) -> bool:
     """Does ``strategy`` shard parameters (so that every rank must run every forward)?"""
-    return isinstance(strategy, ModelParallelStrategy) or "fsdp" in type(strategy).__name__.lower()
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
 
 
 def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
@@ -170,60 +173,3 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.is_global_zero:
             publish_directory(tmp, path)
         self.barrier("fp8l_ckpt_published")
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2``); False where that is not available."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                          ctypes.c_uint]
-    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def publish_directory(tmp: Path, path: Path) -> None:
-    """Put directory ``tmp`` at ``path``, replacing what is there, atomically where possible."""
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    if os.path.lexists(path):
-        if _exchange(tmp, path):
-            old = tmp  # after the swap, tmp holds the previous checkpoint
-        else:  # two renames: in between, the previous checkpoint sits at `old` (never lost)
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def link_copy_directory(src: Path, dst: Path) -> None:
-    """``dst`` as a copy of checkpoint directory ``src`` made of hard links (no extra write)."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    shutil.copytree(src, tmp, copy_function=link)
-    publish_directory(tmp, dst)

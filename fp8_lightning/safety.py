@@ -142,9 +142,12 @@ class NaNGuard(Callback):
         if bad is None:
             return
         if trainer.world_size > 1:
-            # One rank's non-finite loss makes every rank skip: an all-reduce on the device (no
-            # host wait), so the replicas never diverge.
-            bad = trainer.strategy.reduce(bad.float(), reduce_op="max") > 0
+            # One rank's non-finite loss makes every rank skip: one all-reduce enqueued on the
+            # device, so the replicas never diverge and the host does not wait. (Not
+            # strategy.reduce: Lightning's _sync_ddp puts a barrier, a host sync, before it.)
+            flag = bad.float()
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            bad = flag > 0
         if self._device_skip:
             optimizer.found_inf = bad.float()  # fused AdamW skips the whole update on the device
             slot = len(self._pending)

@@ -5,11 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from fp8_lightning.checkpoint import (Checkpoint, CheckpointError, consolidate_checkpoint,
                                       list_checkpoints, load_checkpoint_file)
-from fp8_lightning.distributed import publish_directory
+from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.module import GPTLightningModule
 from tests._runs import run_cli
 
@@ -131,6 +130,8 @@ def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path):
         consolidate_checkpoint(torn)  # the index is there, the shard files are not
     result = run_cli("consolidate", str(root / "checkpoints" / "nope.ckpt"))
     assert result.returncode == 2 and "does not exist" in result.stderr
+    result = run_cli("consolidate", str(root / "checkpoints" / "last.ckpt"), str(tmp_path))
+    assert result.returncode == 2 and "is a directory; give a file name" in result.stderr
 
 
 def test_publish_directory_replaces_atomically_and_leaves_no_temporaries(tmp_path):
