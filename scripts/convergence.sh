@@ -10,6 +10,7 @@ OUT=${OUT:-conv_out}
 STEPS=${STEPS:-2000}
 PYTHON=${PYTHON:-python}
 . scripts/py_data.sh
+mkdir -p "$OUT"
 NGPU=$($PYTHON -c "import torch; print(max(1, torch.cuda.device_count()))")
 common=(--data.data_dir "$DATA" --data.batch_size 8 --data.num_workers 2
         --trainer.max_steps "$STEPS" --trainer.val_check_interval 250 --trainer.limit_val_batches 40
