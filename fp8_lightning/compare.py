@@ -3,7 +3,7 @@
 Reads the TensorBoard event files of each run (the scalars ``TrainingMonitor`` and the
 LightningModule write, see :mod:`fp8_lightning.monitor`), writes one PNG (loss against tokens
 seen, throughput against tokens seen) and prints a table: final and minimum training loss, final
-validation loss, mean tok/s and the speedup over the first run.
+validation loss and its gap to the first run's, mean tok/s and the speedup over the first run.
 
 A RUN_DIR is a run's ``default_root_dir``, its ``lightning_logs`` or one ``version_N`` folder;
 where it holds several versions the newest is used (and the choice is printed).
@@ -106,17 +106,23 @@ def mean_throughput(run: Run) -> Optional[float]:
 
 
 def summary(runs: list[Run]) -> list[dict[str, object]]:
+    """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
     base = mean_throughput(runs[0]) if runs else None
+    base_val = None
     for run in runs:
         loss = [v for _, v in run.series(TRAIN_LOSS)]
         val = [v for _, v in run.series(VAL_LOSS)]
         tps = mean_throughput(run)
+        final_val = val[-1] if val else None
+        if run is runs[0]:
+            base_val = final_val
         rows.append({
             "run": run.label, "precision": run.precision,
             "final loss": loss[-1] if loss else None, "min loss": min(loss) if loss else None,
-            "final val loss": val[-1] if val else None, "mean tok/s": tps,
-            "speedup": (tps / base) if tps and base else None,
+            "final val loss": final_val,
+            "val gap": (final_val / base_val - 1) if final_val and base_val else None,
+            "mean tok/s": tps, "speedup": (tps / base) if tps and base else None,
         })
     return rows
 
@@ -129,6 +135,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
             return f"{value:,.0f}"
         if key == "speedup":
             return f"{value:.2f}x"
+        if key == "val gap":
+            return f"{100 * value:+.2f}%"
         if isinstance(value, float):
             return f"{value:.4f}"
         return str(value)

@@ -3,7 +3,9 @@
 # Hopper FP8 recipe (delayed, current, block) on ~100 MB of real Python source (the GPU image's
 # site-packages). With 4 GPUs each run has its own; with fewer the runs share them (convergence is
 # compared, not speed).
-# Usage: OUT=conv_out STEPS=2000 scripts/convergence.sh      Outputs: $OUT/<run>/ (TB logs).
+# Usage: OUT=conv_out STEPS=2000 scripts/convergence.sh
+# Outputs: $OUT/<run>.log (console), $OUT/tb-<run>/ (TensorBoard events), $OUT/convergence.png and
+# the table of `python -m fp8_lightning compare` (final val loss and its gap to BF16).
 set -eu
 cd "$(dirname "$0")/.."
 OUT=${OUT:-conv_out}
@@ -31,15 +33,15 @@ run 1 fp8-delayed configs/gpt2_fp8.yaml &
 run 2 fp8-current configs/gpt2_fp8.yaml $(fp8 current) &
 run 3 fp8-block configs/gpt2_fp8.yaml $(fp8 block) &
 wait
-for name in bf16 fp8-delayed fp8-current fp8-block; do
+runs=(bf16 fp8-delayed fp8-current fp8-block)
+for name in "${runs[@]}"; do
     grep -E "precision:|FP8 verified|NaN guard|Error|error" "$OUT/$name.log" | head -5 | sed "s/^/$name: /"
 done
 # Checkpoints are large; the logs are what the docs need. Event files are copied flat beside the
 # console logs (the device returns only shallow paths) for `python -m fp8_lightning compare`.
 find "$OUT" -name "*.ckpt" -delete
-for name in bf16 fp8-delayed fp8-current fp8-block; do
+for name in "${runs[@]}"; do
     mkdir -p "$OUT/tb-$name"
     cp "$(find "$OUT/$name" -name 'events.out.tfevents.*' | head -1)" "$OUT/tb-$name/" || true
 done
-$PYTHON scripts/convergence_plot.py "$OUT/convergence.png" "$OUT"/bf16.log "$OUT"/fp8-delayed.log \
-    "$OUT"/fp8-current.log "$OUT"/fp8-block.log
+$PYTHON -m fp8_lightning compare "${runs[@]/#/$OUT/tb-}" --labels "${runs[@]}" --output "$OUT/convergence.png"

@@ -21,7 +21,8 @@ def test_compare_writes_png_and_table(two_runs, tmp_path):
     rows, png = compare([str(a), str(b)], str(tmp_path / "cmp.png"), labels=["fast", "slow"])
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000
     assert [r["run"] for r in rows] == ["fast", "slow"]
-    assert rows[0]["speedup"] == pytest.approx(1.0)
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["val gap"] == 0
+    assert rows[1]["val gap"] == pytest.approx(rows[1]["final val loss"] / rows[0]["final val loss"] - 1)
     for row in rows:
         assert row["precision"] == "BF16 (fallback)"
         assert 5 < row["final loss"] < 11.5 and row["min loss"] <= row["final loss"]
@@ -39,8 +40,8 @@ def test_compare_command(two_runs, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_bytes()[:8] == PNG
     header, rule, first, second = result.stdout.splitlines()[:4]
-    for column in ("run", "precision", "final loss", "min loss", "final val loss", "mean tok/s",
-                   "speedup"):
+    for column in ("run", "precision", "final loss", "min loss", "final val loss", "val gap",
+                   "mean tok/s", "speedup"):
         assert column in header
     assert first.startswith(str(a)) and first.rstrip().endswith("1.00x")
     assert second.startswith(str(version))
@@ -68,5 +69,10 @@ def test_summary_arithmetic_without_tensorboard():
     assert rows[0]["mean tok/s"] == 100.0 and rows[1]["mean tok/s"] == 160.0
     assert rows[1]["speedup"] == pytest.approx(1.6)
     assert rows[0]["final loss"] == 4.5 and rows[0]["min loss"] == 4.0
-    assert rows[0]["final val loss"] is None
+    assert rows[0]["final val loss"] is None and rows[0]["val gap"] is None
+    bf16.scalars[M.VAL_LOSS] = [(1, 4.0)]
+    fp8.scalars[M.VAL_LOSS] = [(1, 4.1)]
+    rows = summary([bf16, fp8])
+    assert rows[1]["val gap"] == pytest.approx(0.025)
+    assert "+2.50%" in format_table(rows).splitlines()[3]
     assert bf16.tokens_at([0, 1, 3]) == [100.0, 200.0, 400.0]  # extrapolated past the last point
