@@ -129,7 +129,9 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
         text_field: the JSON field holding the text in ``.jsonl`` inputs.
         val_fraction: the share of every file's tokens (its end) kept for validation.
         seq_len: the training sequence length; chunks are a multiple of ``seq_len + 1`` tokens.
-        num_workers: tokenizer processes (default: one per file, at most the CPU count).
+        num_workers: tokenizer processes (default: one per file, at most 8). Worker k tokenizes
+            the k-th contiguous slice of the sorted files, so the same inputs and ``num_workers``
+            give the same shards on any machine; another ``num_workers`` cuts other chunks.
     """
     from litdata import optimize
     from litdata.streaming.item_loader import TokensLoader
@@ -145,7 +147,9 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     tok = get_tokenizer(tokenizer)
     out = Path(output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    workers = num_workers or max(1, min(len(files), os.cpu_count() or 1))
+    # Not the CPU count: the worker count decides the chunk layout, and a dataset prepared on
+    # another machine must come out the same.
+    workers = num_workers or min(len(files), 8)
     documents = sum(1 for f in files for _ in iter_documents(f, text_field))
     for split in ("train", "val"):
         rank_zero_info(f"prepare: tokenizing {len(files)} file(s) -> {out / split}")
@@ -155,12 +159,16 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
             inputs=files, output_dir=str(out / split), chunk_size=(seq_len + 1) * BLOCKS_PER_CHUNK,
             item_loader=TokensLoader(), num_workers=workers, mode="overwrite",
             start_method="spawn" if workers > 1 else None,
+            # litdata's default hands files to whichever worker is free and names chunks by worker:
+            # each run ordered the same data differently. A fixed in-order slice per worker, files
+            # in sorted order (not by size), makes the shards reproducible.
+            keep_data_ordered=True, reorder_files=False,
         )
     train_tokens, train_chunks = _split_tokens(out / "train")
     val_tokens, val_chunks = _split_tokens(out / "val")
     meta = dict(tokenizer=tok.name if tokenizer == "gpt2" else str(Path(tokenizer).resolve()),
                 vocab_size=tok.vocab_size, eot_id=tok.eot_id, seq_len=seq_len, files=files,
-                documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
+                num_workers=workers, documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
                 shards=train_chunks + val_chunks)
     (out / META).write_text(json.dumps(meta, indent=2))
     rank_zero_info(f"prepare: {documents:,} documents, {train_tokens:,} train + {val_tokens:,} val "

@@ -46,6 +46,34 @@ def test_prepare_jsonl_puts_eot_between_documents(tmp_path):
     assert read_split(tmp_path / "ds", "train", 16) == ids[: meta["train_tokens"] // 16 * 16]
 
 
+def test_prepare_with_several_workers_is_reproducible_and_keeps_file_order(tmp_path):
+    # litdata's default work queue hands files to whichever worker is free, and the chunk names say
+    # which worker wrote them: the same inputs gave a differently ordered dataset on every run.
+    tok = get_tokenizer("gpt2")
+    lines = [TEXT_A, TEXT_B, "Ay, there's the rub;\n" * 90, "For in that sleep of death\n" * 30,
+             "Must give us pause\n" * 120, "The slings and arrows\n" * 45]
+    for i, text in enumerate(lines):  # different sizes: a size-sorted schedule would reorder them
+        (tmp_path / f"part{i}.txt").write_text(text)
+    runs = [prepare([str(tmp_path / "part*.txt")], str(tmp_path / f"ds{r}"), seq_len=15,
+                    val_fraction=0.1, num_workers=2) for r in range(2)]
+    assert runs[0]["num_workers"] == 2
+    for split in ("train", "val"):
+        files = sorted(p.relative_to(tmp_path / "ds0") for p in (tmp_path / "ds0" / split).iterdir())
+        assert files == sorted(p.relative_to(tmp_path / "ds1") for p in (tmp_path / "ds1" / split).iterdir())
+        for name in files:
+            a, b = ((tmp_path / ds / name).read_bytes() for ds in ("ds0", "ds1"))
+            if name.name == "index.json":  # the same chunks, in the same order; a write time differs
+                a, b = ({**json.loads(x), "updated_at": None} for x in (a, b))
+            assert a == b, name
+    # Worker 0 takes the first half of the sorted files, worker 1 the second: the stream starts
+    # with part0's tokens and the second worker's chunks start with part3's.
+    train = read_split(tmp_path / "ds0", "train", 16)
+    first = tok.encode(lines[0]) + [tok.eot_id]
+    assert train[:64] == first[:64]
+    fourth = tok.encode(lines[3]) + [tok.eot_id]
+    assert any(train[i:i + 64] == fourth[:64] for i in range(0, len(train), 16))
+
+
 def test_prepare_bad_inputs_are_one_clear_error(tmp_path):
     with pytest.raises(ConfigError) as err:
         prepare([str(tmp_path / "missing*.txt"), str(tmp_path / "nope.txt")], str(tmp_path / "o"))
