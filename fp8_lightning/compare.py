@@ -105,18 +105,20 @@ def mean_throughput(run: Run) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def _last(run: Run, tag: str) -> Optional[float]:
+    values = run.series(tag)
+    return values[-1][1] if values else None
+
+
 def summary(runs: list[Run]) -> list[dict[str, object]]:
     """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
     base = mean_throughput(runs[0]) if runs else None
-    base_val = None
+    base_val = _last(runs[0], VAL_LOSS) if runs else None
     for run in runs:
         loss = [v for _, v in run.series(TRAIN_LOSS)]
-        val = [v for _, v in run.series(VAL_LOSS)]
         tps = mean_throughput(run)
-        final_val = val[-1] if val else None
-        if run is runs[0]:
-            base_val = final_val
+        final_val = _last(run, VAL_LOSS)
         rows.append({
             "run": run.label, "precision": run.precision,
             "final loss": loss[-1] if loss else None, "min loss": min(loss) if loss else None,

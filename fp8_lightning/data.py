@@ -168,8 +168,8 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     val_tokens, val_chunks = _split_tokens(out / "val")
     meta = dict(tokenizer=tok.name if tokenizer == "gpt2" else str(Path(tokenizer).resolve()),
                 vocab_size=tok.vocab_size, eot_id=tok.eot_id, seq_len=seq_len, files=files,
-                num_workers=workers, documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
-                shards=train_chunks + val_chunks)
+                num_workers=workers, documents=documents, train_tokens=train_tokens,
+                val_tokens=val_tokens, shards=train_chunks + val_chunks)
     (out / META).write_text(json.dumps(meta, indent=2))
     rank_zero_info(f"prepare: {documents:,} documents, {train_tokens:,} train + {val_tokens:,} val "
                    f"tokens, {train_chunks + val_chunks} shards -> {out}")

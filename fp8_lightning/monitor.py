@@ -132,7 +132,9 @@ def logger_step(trainer: "L.Trainer") -> int:
 
 
 def log_metrics(trainer: "L.Trainer", metrics: dict[str, float]) -> None:
-    """Scalars to every logger of the Trainer, on the step axis of ``self.log``."""
+    """Scalars to every logger of the Trainer (rank zero, like ``self.log``), on its step axis."""
+    if not trainer.is_global_zero:
+        return
     step = logger_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
@@ -227,14 +229,6 @@ class TrainingMonitor(Callback):
         if self._loss_sum is not None:
             self._loss_sum.zero_()
 
-    @staticmethod
-    def _log_metrics(trainer: "L.Trainer", metrics: dict[str, float]) -> None:
-        log_metrics(trainer, metrics)
-
-    @staticmethod
-    def _add_text(trainer: "L.Trainer", tag: str, text: str) -> None:
-        add_text(trainer, tag, text)
-
     # ------------------------------------------------------------------------- setup
     @override
     def on_fit_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
@@ -267,9 +261,9 @@ class TrainingMonitor(Callback):
         setup = f"monitor: every {self._every} steps; {peak}; {flops}"
         if self.console:
             console_print(trainer, setup)
-        self._add_text(trainer, SETUP_TEXT, setup)
-        self._add_text(trainer, PRECISION_TEXT, precision_tag(trainer, pl_module))
-        self._add_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
+        add_text(trainer, SETUP_TEXT, setup)
+        add_text(trainer, PRECISION_TEXT, precision_tag(trainer, pl_module))
+        add_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
         self._log_events(trainer)
         self._last_step = trainer.global_step
         self._open_window(trainer, pl_module)
@@ -280,7 +274,7 @@ class TrainingMonitor(Callback):
         self._events_seen = len(history)
         for event in new:
             step = event.get("step")
-            self._add_text(trainer, FP8_EVENTS_TEXT,
+            add_text(trainer, FP8_EVENTS_TEXT,
                            f"**{event.get('event')}**{'' if step is None else f' at step {step}'}: "
                            f"{event.get('reason')} (now {event.get('precision')})")
 
@@ -378,7 +372,7 @@ class TrainingMonitor(Callback):
             metrics[MFU_FP8] = 100.0 * mfu_fp8
         if pl_module.device.type == "cuda":
             metrics[PEAK_MEMORY] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-        self._log_metrics(trainer, metrics)
+        log_metrics(trainer, metrics)
         self._log_events(trainer)
         line = format_line(step, loss, lr, norm, step_ms, tokens_per_sec, mfu, mfu_fp8, tag)
         if trainer.is_global_zero:
@@ -404,7 +398,7 @@ class TrainingMonitor(Callback):
         val = trainer.callback_metrics.get(VAL_LOSS)
         step = trainer.global_step
         if val is not None:
-            self._log_metrics(trainer, {HP_METRIC: float(val)})
+            log_metrics(trainer, {HP_METRIC: float(val)})
             if self.console:
                 ppl = trainer.callback_metrics.get(VAL_PPL)
                 extra = "" if ppl is None else f" | val/ppl {float(ppl):.2f}"
@@ -418,7 +412,7 @@ class TrainingMonitor(Callback):
                 text = None
                 log.warning("text sample failed: %s: %s", type(err).__name__, err)
             if text is not None and trainer.is_global_zero:
-                self._add_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
+                add_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
                 if self.console:
                     console_print(trainer, f"sample (step {step}): {text!r}")
         if self._val_start is not None:

@@ -303,8 +303,7 @@ class NaNGuard(Callback):
                    "guard/fp8_incidents": float(self.fp8_incidents)}
         if plugin is not None:
             metrics["guard/fp8_active"] = float(plugin.fp8_active)
-        if trainer.is_global_zero:
-            log_metrics(trainer, metrics)
+        log_metrics(trainer, metrics)
         add_text(trainer, "guard/events", f"step {step}: **{kind}** {detail}")
 
     @override

@@ -35,7 +35,7 @@ def main(out: Path) -> None:
             continue
         base = runs.get("1gpu", {}).get("tok_s")
         print(f"\nthroughput {model} (FP8 delayed, tok/s over all GPUs; scaling = tok/s / (N x 1-GPU tok/s))")
-        for name in ["1gpu", "ddp-2gpu", "fsdp-2gpu", "ddp-4gpu", "fsdp-4gpu", "fsdp-bf16-4gpu"]:
+        for name in ["1gpu", "ddp-2gpu", "fsdp-2gpu", "ddp-4gpu", "fsdp-4gpu"]:
             r = runs.get(name)
             if r is None:
                 continue
@@ -50,7 +50,7 @@ def main(out: Path) -> None:
     if losses:
         ref = losses.get("1gpu", {}).get("val", {}).get(200)
         print("\nloss at step 200 (global batch 32 x 1024, FP8 delayed; val loss, 40 batches;"
-              " fsdp = fp32 gathers, fsdp-bf16 = bfloat16 gathers)")
+              " fsdp = FSDP2 with bfloat16 gathers)")
         for name, r in sorted(losses.items()):
             v = r["val"].get(200)
             gap = f"{100 * (v - ref) / ref:+.2f}%" if v is not None and ref else "-"

@@ -3,7 +3,6 @@
 They skip cleanly without CUDA/TE (see conftest.py).
 """
 
-
 import lightning as L
 import pytest
 import torch
