@@ -141,6 +141,9 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
         problems.append(f"val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
     if seq_len <= 0:
         problems.append(f"seq_len={seq_len} must be a positive integer")
+    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+        problems.append(f"num_workers={num_workers!r} must be a positive integer (or unset: one "
+                        "per file, at most 8)")
     if problems:
         raise ConfigError(problems, "prepare arguments")
     files = expand_inputs([inputs] if isinstance(inputs, str) else list(inputs))

@@ -347,9 +347,14 @@ class FaultInjection(Callback):
                  kind: Literal["activation", "grad", "lr"] = "activation",
                  value: Literal["nan", "inf"] = "nan", lr_factor: float = 1e4,
                  ranks: Optional[list[int]] = None) -> None:
+        problems = []
         if kind not in ("activation", "grad", "lr") or value not in ("nan", "inf"):
-            raise ConfigError([f"FaultInjection(kind={kind!r}, value={value!r}); valid kinds: "
-                               "activation, grad, lr; values: nan, inf"], "FaultInjection")
+            problems.append(f"FaultInjection(kind={kind!r}, value={value!r}); valid kinds: "
+                            "activation, grad, lr; values: nan, inf")
+        if ranks is not None and not all(isinstance(r, int) and r >= 0 for r in ranks):
+            problems.append(f"FaultInjection(ranks={ranks!r}); valid: global ranks 0, 1, ...")
+        if problems:
+            raise ConfigError(problems, "FaultInjection")
         self.steps, self.from_step = set(steps or []), from_step
         self.kind, self.value, self.lr_factor = kind, float(value), lr_factor
         self.ranks = None if ranks is None else set(ranks)

@@ -84,6 +84,8 @@ def test_prepare_bad_inputs_are_one_clear_error(tmp_path):
         prepare([str(bad)], str(tmp_path / "o"), seq_len=15)
     with pytest.raises(ConfigError, match="val_fraction=1.5"):
         prepare([str(bad)], str(tmp_path / "o"), val_fraction=1.5)
+    with pytest.raises(ConfigError, match="num_workers=-2 must be a positive integer"):
+        prepare([str(bad)], str(tmp_path / "o"), num_workers=-2)
 
 
 def test_datamodule_streams_blocks_from_the_embedded_corpus():
