@@ -3,20 +3,30 @@
 ``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
 overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
 signatures and docstrings jsonargparse turns into options and help.
+
+Bad input of any kind ends in one ``error:`` line and exit status 2 (:func:`main`); a run stopped
+by a signal says where its last checkpoint is and exits non-zero.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
+import re
+import signal
 import sys
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Optional, Union
 
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 from .bench import bench
 from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
-from .config import ConfigError
+from .config import ConfigError, UsageError
 from .data import TokenShardDataModule, prepare
 from .fp8 import FP8UnavailableError
 from .doctor import doctor
@@ -24,6 +34,46 @@ from .module import GPTLightningModule
 from .safety import NonFiniteTrainingError
 
 log = logging.getLogger("fp8_lightning")
+
+PROG = "python -m fp8_lightning"
+TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def short_parser_message(message: str) -> str:
+    """jsonargparse's message cut to what the user needs: the key, the value and what is valid.
+
+    Its union errors list every type the key could have had (80+ lines for ``trainer.plugins``);
+    the useful part is the innermost ``Parser key "K": Expected <type>. Got value: V``.
+    """
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    expected = re.findall(r"Expected an? (.+?)\. Got value: (.*)", message)
+    nested = re.findall(r"NestedArg\(key='([^']+)', val='([^']*)'\)", message)
+    if keys and expected:
+        kind, value = expected[0]
+        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", kind)
+        kind = ("one of " + literal.group(1).replace("'", "")) if literal else \
+            re.sub(r"<class '(\w+)'>", r"\1", kind)
+        return f"{keys[-1]}={value.strip()!r}: expected {kind}"
+    if keys and nested:
+        return f"{keys[0]}.init_args.{nested[-1][0]}={nested[-1][1]!r} is not valid"
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return "; ".join(lines[:3])
+
+
+class ArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser that refuses abbreviated options (``--trainer.max_step`` is not
+    ``--trainer.max_steps``) and reports an error as one line, not a usage dump."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> None:
+        if not self.exit_on_error:  # jsonargparse probing a value: it catches this
+            return super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        raise UsageError(f"{short_parser_message(message)} (options: {prog} --help)")
 
 
 class FP8LightningCLI(LightningCLI):
@@ -33,6 +83,11 @@ class FP8LightningCLI(LightningCLI):
         # The data's sequence length is the model's block size: one number, set once.
         parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
                               apply_on="instantiate")
+        # The Trainer types limit_*_batches as Union[float, int]: jsonargparse tries float first
+        # and `--trainer.limit_val_batches 1` (one batch) became 1.0 (all batches). int first.
+        for action in parser._actions:
+            if re.fullmatch(r"trainer\.limit_\w+_batches", action.dest) and hasattr(action, "_typehint"):
+                action._typehint = Optional[Union[int, float]]
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
@@ -44,15 +99,97 @@ class FP8LightningCLI(LightningCLI):
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
             load_checkpoint_file(ckpt_path, mmap=True)
 
+    @override
+    def before_instantiate_classes(self) -> None:
+        # Our own components check their arguments and raise one ConfigError. Instantiated by
+        # jsonargparse inside the `trainer.plugins`/`trainer.callbacks` unions, that message is
+        # buried in an 80-line dump of every type the key could have had; built here first, the
+        # error is the component's own. (Their constructors only validate and store.)
+        config = self.config.get(self.config.get("subcommand") or "", self.config)
+        trainer = config.get("trainer") or Namespace()
+        for key in ("plugins", "callbacks"):
+            items = trainer.get(key)
+            for item in items if isinstance(items, list) else [items]:
+                if isinstance(item, Namespace) and str(item.get("class_path", "")).startswith(
+                        "fp8_lightning."):
+                    module, _, name = item.class_path.rpartition(".")
+                    cls = getattr(importlib.import_module(module), name)
+                    try:
+                        cls(**(item.get("init_args") or Namespace()).as_dict())
+                    except (ValueError, TypeError) as err:
+                        if isinstance(err, ConfigError):
+                            raise
+                        raise ConfigError([f"trainer.{key}: {name}: {err}"]) from None
+        check_trainer_arguments(trainer)
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as err:
+            # Lightning's own checks of the Trainer's arguments (devices, accelerator,
+            # precision beside a precision plugin, ...): a bad config, not a crash.
+            message = str(err).strip().splitlines()[0]
+            if message.startswith("Received both `precision="):
+                message = ("trainer.precision is set beside a precision plugin (trainer.plugins: "
+                           "FP8Precision sets the precision); drop one, e.g. --trainer.plugins null "
+                           "for a plain BF16 run")
+            raise ConfigError([message], "trainer") from None
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SystemExit as stop:
+            # Lightning turns SIGTERM into SIGTERMException (a SystemExit with status 0) and
+            # Ctrl-C into sys.exit(1), both after saving what its callbacks save: say so.
+            if self.trainer.interrupted:
+                raise Interrupted(self.trainer, signal.SIGTERM if self.trainer.received_sigterm
+                                  else signal.SIGINT) from None
+            raise
+
+
+class Interrupted(SystemExit):
+    """A run stopped by a signal before it finished: non-zero status, where to resume from."""
+
+    def __init__(self, trainer: Any, signum: int) -> None:
+        super().__init__(128 + signum)
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
+        self.message = (f"stopped by {signal.Signals(signum).name} at step {trainer.global_step} "
+                        f"(before the end of the run); {where}. Resume with the same command and "
+                        "--ckpt_path last")
+
+
+def check_trainer_arguments(trainer: Namespace) -> None:
+    """Trainer values Lightning accepts but runs wrongly (or fails on seconds into the run)."""
+    problems = []
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and (not isinstance(accumulate, int) or accumulate < 1):
+        problems.append(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1")
+    log_every = trainer.get("log_every_n_steps")
+    if log_every is not None and (not isinstance(log_every, int) or log_every < 1):
+        problems.append(f"trainer.log_every_n_steps={log_every!r} must be an integer >= 1 "
+                        "(Lightning would silently use 50)")
+    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches",
+                "limit_predict_batches"):
+        value = trainer.get(key)
+        if value is not None and (value < 0 or (isinstance(value, float) and value > 1.0)):
+            problems.append(f"trainer.{key}={value!r}: give a number of batches (an integer >= 0)"
+                            " or a fraction of the data (0.0 to 1.0)")
+    if problems:
+        raise ConfigError(problems, "trainer")
+
+
+class FunctionParser(ArgumentParser):
+    """The same one-line errors and no abbreviations for the plain-function commands."""
+
 
 def _run_function(fn: Callable, argv: list[str]) -> Any:
-    from jsonargparse import ArgumentParser, auto_cli
-
-    prog = f"python -m fp8_lightning {fn.__name__}"
-    if "config" not in inspect.signature(fn).parameters:
-        return auto_cli(fn, args=argv, as_positional=False, prog=prog)
-    # auto_cli reserves `--config` for config files and drops a function's own `config` argument.
-    parser = ArgumentParser(prog=prog, description=inspect.getdoc(fn).split("\n\n")[0])
+    # Not jsonargparse's auto_cli: it reserves `--config` for config files (dropping a function's
+    # own `config` argument) and exits with a usage dump on bad input.
+    parser = FunctionParser(prog=f"{PROG} {fn.__name__}",
+                            description=inspect.getdoc(fn).split("\n\n")[0])
     parser.add_function_arguments(fn, as_group=False)
     return fn(**parser.parse_args(argv).as_dict())
 
@@ -107,38 +244,72 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
 
 
 USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointError, NonFiniteTrainingError,
-               FP8UnavailableError)
+               FP8UnavailableError, MisconfigurationException)
+# What jsonargparse says when a class it instantiates raises; the cause is the real message.
+_WRAPPED = ("Does not validate against any of the Union subtypes", "Not a valid subclass of",
+            "Problem with given class_path")
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:
     """The user error (bad config, missing file) behind ``err``, if any (jsonargparse wraps them)."""
     seen = set()
+    chain = []
     while err is not None and id(err) not in seen:
         if isinstance(err, USER_ERRORS):
             return err
         seen.add(id(err))
+        chain.append(err)
         err = err.__cause__ or err.__context__
+    if chain and str(chain[0]).startswith(_WRAPPED):
+        # A class of another package (a Lightning callback, a logger) refused its arguments
+        # while jsonargparse instantiated it: its own exception is the innermost one.
+        inner = chain[-1]
+        return ConfigError([f"{type(inner).__name__}: {str(inner).strip().splitlines()[0]}"])
     return None
 
 
+def one_line(err: BaseException) -> str:
+    """A (possibly multi-line) error message as one line: ``invalid X: a; b``."""
+    text = str(err).strip()
+    if isinstance(err, ConfigError):
+        text = text.replace(":\n  - ", ": ", 1).replace("\n  - ", "; ")
+    return " ".join(text.split())
+
+
+def unknown_command(name: str) -> UsageError:
+    import difflib
+
+    valid = [*TRAINER_COMMANDS, *EXTRA_COMMANDS]
+    near = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return UsageError(f"unknown command {name!r}{hint}; valid: {', '.join(valid)}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    args = None if argv is None else list(argv)
+    args = None if argv is None else list(argv)  # None: LightningCLI reads sys.argv itself
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .console import quiet_console
+
+    quiet_console()
     try:
         if argv and argv[0] in EXTRA_COMMANDS:
             EXTRA_COMMANDS[argv[0]](argv[1:])
             return
+        if argv and not argv[0].startswith("-") and argv[0] not in TRAINER_COMMANDS:
+            raise unknown_command(argv[0])
         FP8LightningCLI(
-            GPTLightningModule, TokenShardDataModule, args=args,
+            GPTLightningModule, TokenShardDataModule, args=args, parser_class=ArgumentParser,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"description": "FP8 GPT training on Lightning. Also: "
+            parser_kwargs={"prog": PROG, "description": "FP8 GPT training on Lightning. Also: "
                            + ", ".join(f"`{c} --help`" for c in EXTRA_COMMANDS)},
         )
+    except (UsageError, Interrupted) as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        raise SystemExit(err.code) from None
     except Exception as err:
         found = user_error(err)
         if found is None:
             raise
-        # A user error: one clear message, no traceback wall.
-        print(f"error: {found}", file=sys.stderr)
+        # A user error: one clear line, no traceback wall.
+        print(f"error: {one_line(found)}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -185,6 +185,8 @@ def plot(runs: list[Run], output: str) -> Path:
             ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(output).expanduser()
+    if not path.suffix:  # matplotlib would write NAME.png: name the file that is written
+        path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -200,6 +202,11 @@ def compare(run_dirs: list[str], output: str = "compare.png",
         from .config import ConfigError
 
         raise ConfigError([f"{len(labels)} labels for {len(run_dirs)} runs"], "compare")
+    if Path(output).expanduser().is_dir():
+        from .config import ConfigError
+
+        raise ConfigError([f"--output {output!r} is a directory; give a file name such as "
+                           f"{str(Path(output) / 'compare.png')!r}"], "compare")
     runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
     for run in runs:
         if run.note:
@@ -208,9 +215,18 @@ def compare(run_dirs: list[str], output: str = "compare.png",
     return rows, plot(runs, output)
 
 
+class _Parser(argparse.ArgumentParser):
+    """One ``error:`` line (printed by ``cli.main``), no usage dump, no abbreviated options."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from .config import UsageError
+
+        raise UsageError(f"{message} (options: {self.prog} --help)")
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m fp8_lightning compare",
+    parser = _Parser(
+        allow_abbrev=False, prog="python -m fp8_lightning compare",
         description="Compare runs from their TensorBoard logs: a PNG of loss vs tokens and "
                     "throughput, and a table (final/min loss, final val loss, mean tok/s, "
                     "speedup vs the first run).")

@@ -54,6 +54,17 @@ class ConfigError(ValueError):
         super().__init__(f"invalid {where}:\n  - " + "\n  - ".join(problems))
 
 
+class UsageError(SystemExit):
+    """Bad command-line input found by a parser: one ``error:`` line, exit status 2.
+
+    A ``SystemExit`` (as a parser's own exit is), so no ``except Exception`` on the way out
+    swallows it; ``fp8_lightning.cli.main`` prints the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
 def nearest_multiple(value: int, multiple: int) -> int:
     """The multiple of ``multiple`` closest to ``value`` (never below ``multiple``)."""
     return max(multiple, int(round(value / multiple)) * multiple)

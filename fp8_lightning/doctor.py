@@ -82,7 +82,7 @@ def report_environment() -> dict[str, Any]:
         if key in env:
             _say(f"  {key}: {env[key]}")
     if not torch.cuda.is_available():
-        _say(f"  no CUDA GPU is visible: the PyTorch backend trains in BF16 here. {FP8_NEEDS}.")
+        _say(f"  no CUDA GPU is visible: the PyTorch backend trains in {fallback_precision()[1]}. {FP8_NEEDS}.")
     return env
 
 

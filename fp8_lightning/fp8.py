@@ -31,7 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from .config import FP8_MULTIPLE, ConfigError
-from .te_support import gpu_fp8_capable, te_module, te_status
+from .te_support import fallback_precision, gpu_fp8_capable, te_module, te_status
 
 log = logging.getLogger(__name__)
 
@@ -241,15 +241,17 @@ class FP8Precision(Precision):
     # ----------------------------------------------------------------------------- status
     @property
     def effective_precision(self) -> str:
-        """What really runs: ``fp8-<recipe>`` or ``bf16``."""
-        return f"fp8-{self.recipe_config['recipe']}" if self.fp8_active else "bf16"
+        """What really runs: ``fp8-<recipe>``, ``bf16`` or (a CPU without BF16) ``fp32``."""
+        if self.fp8_active:
+            return f"fp8-{self.recipe_config['recipe']}"
+        return "fp32" if self.precision == "32-true" else "bf16"
 
     @property
     def tag(self) -> str:
         """Short tag for log lines: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``."""
         if self.fp8_active:
             return f"FP8 {self.recipe_config['recipe']}"
-        return f"BF16 (fallback: {self.reason})"
+        return f"{self.effective_precision.upper()} (fallback: {self.reason})"
 
     def _record(self, event: str, reason: str, step: Optional[int] = None) -> None:
         self.history.append({"event": event, "reason": reason, "step": step,
@@ -263,26 +265,38 @@ class FP8Precision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         gpt = _find_gpt(module)
+        n_layer = len(getattr(gpt, "blocks", []))
+        too_many = [f"{key}={value} is more than the model's {n_layer} blocks"
+                    for key, value in (("bf16_first_layers", self.bf16_first_layers),
+                                       ("bf16_last_layers", self.bf16_last_layers))
+                    if value > n_layer]
+        if too_many:
+            raise ConfigError(too_many + [f"valid: 0 to {n_layer}"], "FP8Precision")
         self._model_ref = weakref.ref(gpt)
         # Decided once here, not on every step: the strategy has set up devices and process
         # groups before it converts the module.
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._amax_group = _data_parallel_group()
-        if self.weights == "bf16-true":
-            module = module.to(torch.bfloat16)
         ok, reason = recipe_available(self.recipe_config["recipe"])
         if ok and not te_gemm_modules(gpt):
             ok, reason = False, ("the model has no TransformerEngine layers (backend=torch); "
                                  "use model.backend: auto or te")
         self.fp8_available = ok
         if not ok:
-            message = f"FP8 is not available: {reason}. Training runs BF16."
             if self.on_unavailable == "error":
-                raise FP8UnavailableError(message.replace("Training runs BF16.",
-                                                          "on_unavailable=error, stopping."))
-            _warn(message)
-            self.fp8_active, self.reason = False, reason
+                raise FP8UnavailableError(f"FP8 is not available: {reason}; "
+                                          "on_unavailable=error, stopping.")
+            # The fastest precision this hardware really has: BF16 emulated on a CPU without
+            # BF16 instructions is several times slower than FP32.
+            fallback, why = fallback_precision()
+            if fallback == "32-true":
+                self.precision = "32-true"
+            _warn(f"FP8 is not available: {reason}. Running {why}.")
+            self.fp8_active, self.reason = False, f"{reason}; {why}"
             self._record("unavailable", reason)
+        if self.precision == "bf16-true":
+            module = module.to(torch.bfloat16)
+        if not ok:
             return module
         self._te_recipe = make_te_recipe(self.recipe_config)
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
@@ -326,7 +340,7 @@ class FP8Precision(Precision):
     @contextmanager
     def _context(self, fp8: bool) -> Generator[None, None, None]:
         with ExitStack() as stack:
-            if self.weights == "bf16-mixed":
+            if self.precision == "bf16-mixed":
                 stack.enter_context(torch.autocast(self._device_type, dtype=torch.bfloat16))
             if self._te_recipe is not None:
                 stack.enter_context(te_module().autocast(

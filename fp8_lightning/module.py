@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -79,9 +79,18 @@ class GPTLightningModule(L.LightningModule):
             problems.append(f"model.min_lr={min_lr} must be between 0 and learning_rate")
         if warmup_steps < 0:
             problems.append(f"model.warmup_steps={warmup_steps} must be >= 0")
+        if attention not in ("sdpa", "te"):
+            problems.append(f"model.attention={attention!r}; valid: sdpa, te")
+        if attention == "te" and backend == "torch":
+            problems.append("model.attention='te' (te.DotProductAttention) needs model.backend "
+                            "te or auto; with backend torch use attention sdpa")
         if problems:
             raise ConfigError(problems, "model")
         self.backend_name, self.backend_reason = resolve_backend(backend)
+        if attention == "te" and self.backend_name != "te":  # auto fell back to PyTorch
+            rank_zero_warn(f"model.attention='te' needs TransformerEngine ({self.backend_reason}); "
+                           "using attention sdpa")
+            attention = "sdpa"
         self.attention = attention
         # Plain types only: checkpoints stay loadable with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["config"])

@@ -1,0 +1,272 @@
+"""Bad input, as a table: every case exits with status 2 and ONE ``error:`` line that names the
+field or file at fault, prints no traceback, and leaves what the user had untouched.
+
+The cases run in this process through ``fp8_lightning.cli.main`` (the package is imported once;
+the Lightning parser is built per case), so the table stays fast enough for the CPU suite. A
+case is ``(id, argv, expected)``: ``expected`` is a substring of the error line (the field or
+file it names, and usually what would be valid). ``{tmp}`` in argv is the case's own directory,
+``{ckpt}`` a real 10-step quickstart checkpoint, ``{run}`` that run's directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _runs import short_fit
+from fp8_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir", "{tmp}/run"]
+FP8 = "--trainer.plugins.init_args."
+
+
+def fit(*args: str) -> list[str]:
+    return [*QUICK, *args]
+
+
+# --------------------------------------------------------------------------- the table
+CONFIG = [
+    ("unknown-command", ["fitt"], "unknown command 'fitt' (did you mean 'fit'?)"),
+    ("unknown-command-valid-list", ["trian"], "valid: fit, validate, test, predict, prepare"),
+    ("abbreviated-option", fit("--trainer.max_step", "2"), "--trainer.max_step"),
+    ("unknown-option", fit("--trainer.foo", "1"), "--trainer.foo"),
+    ("not-an-int", fit("--trainer.max_steps", "abc"), "trainer.max_steps='abc': expected int"),
+    ("batch-not-an-int", fit("--data.batch_size", "x"), "data.batch_size='x'"),
+    ("config-missing", ["fit", "--config", "{tmp}/nope.yaml"], "nope.yaml"),
+    ("config-broken-yaml", ["fit", "--config", "{tmp}/broken.yaml"], "broken.yaml"),
+    ("config-unknown-key", ["fit", "--config", "{tmp}/unknown_key.yaml"], "trainer.max_stepz"),
+    ("config-not-a-mapping", ["fit", "--config", "{tmp}/list.yaml"], "list.yaml"),
+    ("max-steps-negative", fit("--trainer.max_steps", "-5"), "max_steps"),
+    ("val-check-negative", fit("--trainer.val_check_interval", "-1"), "val_check_interval"),
+    ("devices-zero", fit("--trainer.devices", "0"), "devices"),
+    ("precision-beside-plugin", fit("--trainer.precision", "16-mixed"), "trainer.precision"),
+    ("accumulate-zero", fit("--trainer.accumulate_grad_batches", "0"),
+     "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
+    ("log-every-zero", fit("--trainer.log_every_n_steps", "0"), "trainer.log_every_n_steps=0"),
+    ("limit-val-negative", fit("--trainer.limit_val_batches", "-1"), "trainer.limit_val_batches=-1"),
+    ("limit-val-fraction-over-one", fit("--trainer.limit_val_batches", "1.5"),
+     "trainer.limit_val_batches=1.5"),
+    ("backend-typo", fit("--model.backend", "tee"), "model.backend='tee': expected one of auto, te, torch"),
+    ("attention-typo", fit("--model.attention", "flash"), "model.attention='flash'"),
+    ("te-attention-on-torch-backend", fit("--model.attention", "te", "--model.backend", "torch"),
+     "model.attention='te'"),
+    ("learning-rate-zero", fit("--model.learning_rate", "0"), "model.learning_rate=0"),
+    ("min-lr-above-lr", fit("--model.min_lr", "1.0"), "model.min_lr=1.0"),
+    ("warmup-negative", fit("--model.warmup_steps", "-1"), "model.warmup_steps=-1"),
+    ("seed-not-an-int", fit("--seed_everything", "abc"), "seed_everything"),
+    ("max-epochs-not-an-int", fit("--trainer.max_epochs", "x"), "trainer.max_epochs"),
+    ("gradient-clip-algorithm", fit("--trainer.gradient_clip_algorithm", "l3"), "gradient_clip_algorithm"),
+]
+FP8_FIELDS = [
+    ("recipe-typo", fit(FP8 + "recipe", "curent"), "recipe='curent': expected one of delayed, current"),
+    ("margin-negative", fit(FP8 + "margin", "-1"), "margin=-1 must be an integer >= 0"),
+    ("amax-history-zero", fit(FP8 + "amax_history_len", "0"), "amax_history_len=0 must be an integer >= 1"),
+    ("amax-algo-typo", fit(FP8 + "amax_compute_algo", "mean"), "amax_compute_algo='mean'"),
+    ("format-e5m2", fit(FP8 + "fp8_format", "e5m2"), "fp8_format='e5m2'"),
+    ("block-with-hybrid", fit(FP8 + "recipe", "block", FP8 + "fp8_format", "hybrid"),
+     "fp8_format='hybrid' with recipe='block'; valid: e4m3"),
+    ("margin-with-current", fit(FP8 + "recipe", "current", FP8 + "margin", "1"),
+     "margin is not a field of recipe='current'"),
+    ("history-with-block", fit(FP8 + "recipe", "block", FP8 + "amax_history_len", "16"),
+     "amax_history_len is not a field of recipe='block'"),
+    ("bf16-first-negative", fit(FP8 + "bf16_first_layers", "-1"), "bf16_first_layers=-1"),
+    ("bf16-last-negative", fit(FP8 + "bf16_last_layers", "-2"), "bf16_last_layers=-2"),
+    ("bf16-first-beyond-model", fit(FP8 + "bf16_first_layers", "5", "--trainer.max_steps", "1"),
+     "bf16_first_layers=5 is more than the model's 2 blocks"),
+    ("weights-fp16", fit(FP8 + "weights", "fp16"), "weights='fp16'"),
+    ("on-unavailable-typo", fit(FP8 + "on_unavailable", "crash"), "on_unavailable='crash'"),
+    ("removed-interval", ["fit", "--config", "{tmp}/interval.yaml"], "interval: removed in TransformerEngine 2.x"),
+    ("reduce-amax-not-bool", fit(FP8 + "reduce_amax", "maybe"), "reduce_amax='maybe'"),
+]
+CALLBACKS = [
+    ("keep-last-negative", fit("--trainer.callbacks.keep_last", "-1"), "keep_last=-1"),
+    ("every-n-negative", fit("--trainer.callbacks.every_n_train_steps", "-1"), "every_n_train_steps"),
+    ("guard-window-zero", ["fit", "--config", "{tmp}/guard.yaml"], "NaNGuard"),
+    ("fault-ranks-negative", fit("--trainer.callbacks+=fp8_lightning.FaultInjection",
+                                 "--trainer.callbacks.ranks", "[-1]"), "ranks"),
+    ("callback-class-typo", fit("--trainer.callbacks+=fp8_lightning.NaNGaurd"), "NaNGaurd"),
+]
+DIMS = [
+    ("n-embd-not-16", fit("--model.config.n_embd", "100"), "n_embd=100 is not a multiple of 16"),
+    ("n-head-not-dividing", fit("--model.config.n_head", "5"), "n_head=5 does not divide n_embd=64"),
+    ("kv-heads-not-dividing", fit("--model.config.n_kv_heads", "3"), "n_kv_heads=3 does not divide n_head=4"),
+    ("ffn-not-16", fit("--model.config.ffn_hidden", "100"), "ffn_hidden=100"),
+    ("preset-typo", fit("--model.config.name", "gpt5"), "name='gpt5' is not a preset; valid: gpt2"),
+    ("block-size-zero", fit("--model.config.block_size", "0"), "block_size=0 must be a positive integer"),
+    ("vocab-negative", fit("--model.config.vocab_size", "-1"), "vocab_size=-1"),
+    ("norm-typo", fit("--model.config.norm", "batchnorm"), "norm='batchnorm'"),
+    ("activation-typo", fit("--model.config.activation", "relu"), "activation='relu'"),
+    ("padded-vocab-by-hand", fit("--model.config.padded_vocab_size", "123"), "padded_vocab_size=123"),
+    ("layers-zero", fit("--model.config.n_layer", "0"), "n_layer=0"),
+    ("head-dim-not-16", fit("--model.config.n_head", "8"), "head dim n_embd/n_head=8"),
+    ("batch-zero", fit("--data.batch_size", "0"), "data.batch_size=0"),
+    ("workers-negative", fit("--data.num_workers", "-1"), "data.num_workers=-1"),
+    ("micro-batch-not-16", fit("--model.config.block_size", "127", "--data.batch_size", "1"),
+     "data.batch_size=1 x seq_len=127"),
+    ("emulate-ranks-zero", fit("--data.emulate_ranks", "0"), "data.emulate_ranks=0"),
+    ("emulate-without-accumulation", fit("--data.emulate_ranks", "2", "--trainer.max_steps", "1"),
+     "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2"),
+    ("model-vocab-below-data", fit("--model.config.vocab_size", "1000", "--trainer.max_steps", "1"),
+     "model.config.vocab_size=1000 is smaller than the dataset's tokenizer"),
+]
+DATA = [
+    ("data-dir-missing", fit("--data.data_dir", "{tmp}/nope"), "data.data_dir='{tmp}/nope' does not exist"),
+    ("data-dir-not-prepared", fit("--data.data_dir", "{tmp}"), "is not a prepared dataset"),
+]
+PREPARE = [
+    ("prepare-no-match", ["prepare", "--inputs", "{tmp}/*.none", "--output_dir", "{tmp}/ds"], "matches no file"),
+    ("prepare-csv", ["prepare", "--inputs", "{tmp}/table.csv", "--output_dir", "{tmp}/ds"],
+     "is neither .txt nor .jsonl"),
+    ("prepare-val-fraction-zero", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir", "{tmp}/ds",
+                                   "--val_fraction", "0"], "val_fraction=0"),
+    ("prepare-val-fraction-above-one", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir",
+                                        "{tmp}/ds", "--val_fraction", "1.5"], "val_fraction=1.5"),
+    ("prepare-seq-len-zero", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir", "{tmp}/ds",
+                              "--seq_len", "0"], "seq_len=0"),
+    ("prepare-workers-zero", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir", "{tmp}/ds",
+                              "--num_workers", "0"], "num_workers=0"),
+    ("prepare-unknown-option", ["prepare", "--inputs", "{tmp}/small.txt", "--output", "{tmp}/ds"],
+     "--output"),
+    ("prepare-missing-output", ["prepare", "--inputs", "{tmp}/small.txt"], "output_dir"),
+]
+CHECKPOINTS = [
+    ("ckpt-missing", fit("--ckpt_path", "{tmp}/nope.ckpt"), "checkpoint '{tmp}/nope.ckpt' does not exist"),
+    ("ckpt-truncated", fit("--ckpt_path", "{tmp}/truncated.ckpt"), "truncated.ckpt' is truncated or corrupt"),
+    ("ckpt-crafted-pickle", fit("--ckpt_path", "{tmp}/evil.ckpt"), "evil.ckpt' holds objects other than"),
+    ("ckpt-a-tensor", fit("--ckpt_path", "{tmp}/tensor.ckpt"), "tensor.ckpt' is not a Lightning checkpoint"),
+    ("ckpt-other-model", fit("--ckpt_path", "{ckpt}", "--model.config.n_layer", "3"),
+     "model.config.n_layer=3 but the checkpoint was trained with n_layer=2"),
+    ("ckpt-other-seq-len", fit("--ckpt_path", "{ckpt}", "--data.shuffle", "false"),
+     "data.shuffle=False but the checkpoint was trained with True"),
+    ("validate-ckpt-missing", ["validate", "--config", "configs/quickstart.yaml", "--ckpt_path",
+                               "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
+    ("checkpoints-dir-missing", ["checkpoints", "{tmp}/nope"], "checkpoint directory '{tmp}/nope' does not exist"),
+    ("checkpoints-option-typo", ["checkpoints", "--directoy", "{tmp}"], "--directoy"),
+]
+SHARDED = [
+    ("consolidate-missing", ["consolidate", "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
+    ("consolidate-single-file", ["consolidate", "{ckpt}"], "is already a single file"),
+    ("consolidate-output-is-dir", ["consolidate", "{tmp}/sharded.ckpt", "{tmp}"], "is a directory"),
+    ("sharded-without-metadata", ["consolidate", "{tmp}/no_metadata.ckpt"], "without .metadata"),
+    ("sharded-without-meta", ["consolidate", "{tmp}/no_meta.ckpt"], "without meta.pt"),
+]
+GENERATE = [
+    ("generate-missing", ["generate", "--ckpt", "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
+    ("generate-tokens-negative", ["generate", "--ckpt", "{ckpt}", "--max_new_tokens", "-1"], "max_new_tokens=-1"),
+    ("generate-temperature-negative", ["generate", "--ckpt", "{ckpt}", "--temperature", "-1"], "temperature=-1"),
+    ("generate-top-k-zero", ["generate", "--ckpt", "{ckpt}", "--top_k", "0"], "top_k=0"),
+    ("generate-device-typo", ["generate", "--ckpt", "{ckpt}", "--device", "tpu"], "device='tpu'"),
+    ("generate-tokenizer-missing", ["generate", "--ckpt", "{ckpt}", "--tokenizer", "{tmp}/tok.json"], "tok.json"),
+    ("generate-no-ckpt", ["generate", "--prompt", "hi"], "ckpt"),
+    ("generate-truncated", ["generate", "--ckpt", "{tmp}/truncated.ckpt"], "truncated.ckpt' is truncated"),
+    ("generate-a-tensor", ["generate", "--ckpt", "{tmp}/tensor.ckpt"], "tensor.ckpt' is not a Lightning checkpoint"),
+]
+COMPARE = [
+    ("compare-missing-dir", ["compare", "{tmp}/nope"], "run directory '{tmp}/nope' does not exist"),
+    ("compare-no-events", ["compare", "{tmp}"], "no TensorBoard event files under '{tmp}'"),
+    ("compare-output-is-dir", ["compare", "{run}", "--output", "{tmp}"], "--output '{tmp}' is a directory"),
+    ("compare-nothing", ["compare"], "RUN_DIR"),
+    ("compare-label-count", ["compare", "{run}", "--labels", "a", "b"], "2 labels for 1 runs"),
+    ("compare-abbreviated", ["compare", "{run}", "--outpu", "x.png"], "--outpu"),
+]
+TOOLS = [
+    ("doctor-config-missing", ["doctor", "--config", "{tmp}/nope.yaml"], "nope.yaml"),
+    ("bench-variant-typo", ["bench", "--variants", "[fp8-delayd]"], "fp8-delayd"),
+    ("bench-unknown-option", ["bench", "--variant", "fp8-delayed"], "--variant"),
+    ("doctor-unknown-option", ["doctor", "--confg", "x"], "--confg"),
+]
+TABLE = CONFIG + FP8_FIELDS + CALLBACKS + DIMS + DATA + PREPARE + CHECKPOINTS + SHARDED + GENERATE + COMPARE + TOOLS
+
+
+# --------------------------------------------------------------------------- fixtures
+class Evil:
+    """Unpickling this creates ``marker``: the code-execution probe."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out, _ = short_fit(tmp_path_factory, "quickstart")
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, run):
+    """The bad files every case may name, made once (cases only read them)."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "broken.yaml").write_text("trainer: [unclosed\n")
+    (tmp / "unknown_key.yaml").write_text("trainer:\n  max_stepz: 3\n")
+    (tmp / "list.yaml").write_text("- fit\n- trainer\n")
+    quick = (ROOT / "configs/quickstart.yaml").read_text()
+    (tmp / "interval.yaml").write_text(quick.replace("recipe: delayed", "recipe: delayed\n        interval: 1"))
+    (tmp / "guard.yaml").write_text(quick.replace("window: 100", "window: 0"))
+    (tmp / "table.csv").write_text("a,b\n")
+    (tmp / "small.txt").write_text("A small corpus.\n" * 200)
+    ckpt = next(run.rglob("last.ckpt"))
+    data = ckpt.read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    torch.save(torch.zeros(3), tmp / "tensor.ckpt")
+    with open(tmp / "evil.ckpt", "wb") as f:
+        pickle.dump(Evil(str(tmp / "PWNED")), f)
+    for name, keep in (("sharded.ckpt", ("meta.pt", ".metadata")), ("no_metadata.ckpt", ("meta.pt",)),
+                       ("no_meta.ckpt", (".metadata",))):
+        (tmp / name).mkdir()
+        if "meta.pt" in keep:
+            torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 1}, tmp / name / "meta.pt")
+        if ".metadata" in keep:
+            (tmp / name / ".metadata").write_bytes(b"not a pickle")
+    return tmp, ckpt
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case_id,argv,expected", TABLE, ids=[c[0] for c in TABLE])
+def test_bad_input_is_one_error_line_exit_2_and_nothing_lost(case_id, argv, expected, files, run,
+                                                             tmp_path, capsys, monkeypatch):
+    shared, ckpt = files
+    monkeypatch.chdir(ROOT)
+    for f in shared.iterdir():  # the case's own copy of every bad file
+        (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp_path / f.name)
+    subs = {"{tmp}": str(tmp_path), "{ckpt}": str(ckpt), "{run}": str(run)}
+
+    def fill(text: str) -> str:
+        for key, value in subs.items():
+            text = text.replace(key, value)
+        return text
+
+    before = {"ckpt": tree_digest(ckpt.parent), "tmp": tree_digest(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        main([fill(a) for a in argv])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2, err[-2000:]
+    assert len(errors) == 1, err[-2000:]
+    assert fill(expected) in errors[0], errors[0]
+    assert "Traceback" not in err
+    assert len(errors[0]) < 600, errors[0]  # one readable line, not a dump
+    # Nothing the user had is lost: every file there before is there, byte for byte.
+    assert tree_digest(ckpt.parent) == before["ckpt"]
+    after = tree_digest(tmp_path)
+    assert {k: v for k, v in after.items() if k in before["tmp"]} == before["tmp"]
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_table_has_every_group_and_over_100_cases():
+    assert len(TABLE) >= 100, len(TABLE)
+    assert len({c[0] for c in TABLE}) == len(TABLE)  # ids are unique
