@@ -11,6 +11,7 @@ litdata is imported lazily: importing ``fp8_lightning`` does not start its machi
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -37,6 +38,7 @@ EMBEDDED_CORPUS = ASSETS / "tinyshakespeare.txt"
 EMBEDDED_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 META = "meta.json"
 DATASET_ENTRIES = {"train", "val", META}  # what a prepared dataset directory holds
+REPREPARE = "re-run `python -m fp8_lightning prepare` to rebuild the dataset"
 # Chunks hold this many training blocks; each chunk is a multiple of the block so that no
 # block straddles two chunks (litdata's TokensLoader drops a chunk's partial tail).
 BLOCKS_PER_CHUNK = 256
@@ -304,6 +306,82 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     return meta
 
 
+def _index_layout_problem(data: Any) -> Optional[str]:
+    """What a parsed index.json lacks that litdata's reader needs (None: nothing)."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    for key, kind in (("chunks", list), ("config", dict)):
+        if not isinstance(data.get(key), kind):
+            return f"no {key!r} {'list' if kind is list else 'object'}"
+    absent = [k for k in ("compression", "data_format", "data_spec", "item_loader")
+              if k not in data["config"]]
+    if absent:
+        return f"its 'config' has no {', '.join(map(repr, absent))}"
+    if data["config"]["item_loader"] != "TokensLoader":
+        return (f"its item_loader is {data['config']['item_loader']!r}, not 'TokensLoader' (not "
+                "a dataset written by prepare)")
+    for i, chunk in enumerate(data["chunks"]):
+        absent = [k for k in ("filename", "chunk_bytes", "chunk_size", "dim")
+                  if not isinstance(chunk, dict) or k not in chunk]
+        if absent:
+            return f"chunk {i} has no {', '.join(map(repr, absent))}"
+    return None
+
+
+def _check_split(split_dir: Path) -> list[str]:
+    """Problems of a local split: an index.json litdata cannot read, or a chunk file that is
+    missing or not the size its index records (litdata would wait for it, then time out)."""
+    index = split_dir / "index.json"
+    try:
+        data = json.loads(index.read_text())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return [f"{index} is not valid JSON ({err})"]
+    why = _index_layout_problem(data)
+    if why:
+        return [f"{index} is not a valid litdata index: {why}"]
+    problems = []
+    for chunk in data["chunks"]:
+        path, size = split_dir / str(chunk["filename"]), chunk["chunk_bytes"]
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{path} has {path.stat().st_size} bytes where {index.name} records "
+                            f"{size} (truncated or overwritten)")
+    return problems
+
+
+@functools.cache
+def _checked_loader_class() -> type:
+    """litdata's StreamingDataLoader, checking every batch's token ids (built on first use: litdata
+    is imported lazily)."""
+    from litdata import StreamingDataLoader
+
+    class CheckedStreamingDataLoader(StreamingDataLoader):
+        """Token ids outside the vocabulary (a corrupt shard, another tokenizer's dataset) would be
+        an IndexError deep in the embedding, or a device-side assert on a GPU. The batch is checked
+        here, on the CPU in the main process before Lightning moves it to the device: one min/max
+        over a few thousand ints, no device sync. (Raised in a loader worker, the error would come
+        back wrapped in the worker's traceback.)"""
+
+        def __init__(self, *args: Any, vocab_size: Optional[int], where: str, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.vocab_size, self.where = vocab_size, where
+
+        def __iter__(self) -> Iterator[Any]:
+            for batch in super().__iter__():
+                if self.vocab_size is not None and batch.numel():
+                    low, high = (int(v) for v in torch.aminmax(batch))
+                    if low < 0 or high >= self.vocab_size:
+                        bad = high if high >= self.vocab_size else low
+                        raise ConfigError([
+                            f"{self.where}: a batch holds token id {bad}, outside the vocabulary "
+                            f"(0..{self.vocab_size - 1}): a shard is corrupt or was made with "
+                            f"another tokenizer; {REPREPARE}"], "data")
+                yield batch
+
+    return CheckedStreamingDataLoader
+
+
 class TokenShardDataModule(L.LightningDataModule):
     """Streams token blocks of ``seq_len + 1`` from litdata shards made by ``prepare``.
 
@@ -387,8 +465,16 @@ class TokenShardDataModule(L.LightningDataModule):
                 f"data.data_dir={self.dataset_dir!r} is not a prepared dataset: no "
                 f"{' or '.join(m + '/index.json' for m in missing)} (run `python -m fp8_lightning "
                 "prepare` on your text first)")
+        problems = [p for split in ("train", "val") for p in _check_split(root / split)]
         if (root / META).is_file():
-            self.meta = json.loads((root / META).read_text())
+            try:
+                self.meta = json.loads((root / META).read_text())
+                int(self.meta.get("vocab_size", 0))  # the token ids are checked against it
+            except (ValueError, TypeError, AttributeError) as err:
+                problems.append(f"{root / META} is not a valid dataset description ({err})")
+        if problems:
+            raise ConfigError([f"data.data_dir={self.dataset_dir!r}: {p}" for p in problems]
+                              + [REPREPARE], "data")
 
     def setup(self, stage: str) -> None:
         # Datasets are built here, not in __init__: litdata reads the distributed environment
@@ -404,14 +490,34 @@ class TokenShardDataModule(L.LightningDataModule):
             shuffle=shuffle, drop_last=True, seed=self.seed)
         self.train_dataset = make("train", self.shuffle)
         self.val_dataset = make("val", False)
-        for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
-            if len(ds) == 0:
-                raise ConfigError([f"data.data_dir={self.dataset_dir!r}: the {split} split has no "
-                                   f"block of seq_len+1={block} tokens"], "data")
         rank_zero_info(f"data: {self.dataset_dir}: {len(self.train_dataset):,} train / "
                        f"{len(self.val_dataset):,} val blocks of {block} tokens")
         if self.emulate_ranks and stage == "fit":
             self._rank_datasets = self._emulated_ranks(make)
+        checks = []
+        if stage == "fit":
+            checks.append(("train", (self._rank_datasets or [self.train_dataset])[0], "no step"))
+        # Validation and test read the val split (unless the run turns validation off).
+        if stage in ("fit", "validate", "test") and getattr(self.trainer, "limit_val_batches", 1):
+            checks.append(("val", self.val_dataset, "no batch"))
+        problems = [p for p in (self._too_few_blocks(*check) for check in checks) if p]
+        if problems:
+            raise ConfigError(problems, "data")
+
+    def _too_few_blocks(self, split: str, dataset: Any, runs: str) -> Optional[str]:
+        """A split that gives a rank no full micro-batch (litdata drops the partial one): the run
+        would train or validate on nothing and still exit 0."""
+        blocks = dataset.get_len(1, 1)  # this rank's blocks
+        # What litdata yields this rank per epoch with this batch size and worker count.
+        samples = dataset.get_len(self.num_workers, self.batch_size)
+        if samples >= self.batch_size:
+            return None
+        world = dataset.distributed_env.world_size
+        return (f"data.data_dir={self.dataset_dir!r}: the {split} split has {blocks} blocks of "
+                f"seq_len+1={self.seq_len + 1} tokens per rank ({world} rank(s)), not one full "
+                f"micro-batch of data.batch_size={self.batch_size} with data.num_workers="
+                f"{self.num_workers} ({split} would run {runs}); lower data.batch_size, "
+                "data.num_workers or seq_len, or prepare more data")
 
     def _emulated_ranks(self, make: Any) -> list[Any]:
         """One training dataset per emulated rank, each told it is rank k of N (litdata assigns
@@ -439,18 +545,25 @@ class TokenShardDataModule(L.LightningDataModule):
                        f"each step reads rank i's samples)")
         return datasets
 
-    def _loader(self, dataset: Any) -> Any:
-        from litdata import StreamingDataLoader
+    def _loader(self, dataset: Any, split: str) -> Any:
+        return _checked_loader_class()(dataset, batch_size=self.batch_size,
+                                       num_workers=self.num_workers, drop_last=True,
+                                       pin_memory=torch.cuda.is_available(),
+                                       vocab_size=self._vocab_size(), where=f"data.data_dir="
+                                       f"{self.dataset_dir!r} ({split} split)")
 
-        return StreamingDataLoader(dataset, batch_size=self.batch_size,
-                                   num_workers=self.num_workers, drop_last=True,
-                                   pin_memory=torch.cuda.is_available())
+    def _vocab_size(self) -> Optional[int]:
+        """Token ids must be below this: the dataset's tokenizer, else the model's vocabulary."""
+        if self.meta.get("vocab_size"):
+            return int(self.meta["vocab_size"])
+        config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
+        return getattr(config, "vocab_size", None)
 
     def train_dataloader(self) -> Any:
         if self._rank_datasets:
             self._train_loader = None  # no resumable loader state (see emulate_ranks)
-            return _Interleaved([self._loader(ds) for ds in self._rank_datasets])
-        self._train_loader = self._loader(self.train_dataset)
+            return _Interleaved([self._loader(ds, "train") for ds in self._rank_datasets])
+        self._train_loader = self._loader(self.train_dataset, "train")
         return self._train_loader
 
     # ------------------------------------------------------------------ exact resume
@@ -516,10 +629,10 @@ class TokenShardDataModule(L.LightningDataModule):
         rank_zero_info(f"data: resumed at block {position} of epoch {expected['epoch']} (verified)")
 
     def val_dataloader(self) -> Any:
-        return self._loader(self.val_dataset)
+        return self._loader(self.val_dataset, "val")
 
     def test_dataloader(self) -> Any:
-        return self._loader(self.val_dataset)
+        return self._loader(self.val_dataset, "val")
 
 
 class _Interleaved:

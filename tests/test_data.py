@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import struct
 
 import pytest
 
@@ -290,3 +291,72 @@ def test_prepare_command_prints_one_error_and_exits_2(tmp_path, capsys, dataset)
     assert exit_.value.code == 2
     assert_one_error_line(capsys, "tokenizer=", "no such file")
     assert snapshot(dataset) == before
+
+
+def test_datamodule_rejects_token_ids_outside_the_vocabulary(dataset):
+    chunk = dataset / "train" / "chunk-0-0.bin"
+    raw = bytearray(chunk.read_bytes())
+    offset = 12 + 4 * 100  # token 100, after the chunk's 12-byte header of int32s
+    raw[offset:offset + 4] = struct.pack("<i", 60000)
+    chunk.write_bytes(bytes(raw))
+    dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=1, num_workers=1,
+                              shuffle=False)
+    dm.setup("fit")
+    with pytest.raises(ConfigError) as err:
+        for _ in dm.train_dataloader():
+            pass
+    assert "a batch holds token id 60000, outside the vocabulary (0..50256)" in str(err.value)
+    assert f"data.data_dir={str(dataset)!r} (train split)" in str(err.value)
+    assert "re-run `python -m fp8_lightning prepare`" in str(err.value)
+    val = dataset / "val" / "chunk-0-0.bin"
+    val.write_bytes(val.read_bytes()[:12] + b"\xff" * (val.stat().st_size - 12))  # garbage: -1
+    with pytest.raises(ConfigError, match=r"\(val split\): a batch holds token id -1"):
+        next(iter(dm.val_dataloader()))
+
+
+def test_datamodule_rejects_a_truncated_or_missing_shard_and_a_broken_index(dataset):
+    def setup_error():
+        dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=1, num_workers=1)
+        with pytest.raises(ConfigError) as err:
+            dm.setup("fit")
+        assert f"data.data_dir={str(dataset)!r}" in str(err.value)
+        assert "re-run `python -m fp8_lightning prepare`" in str(err.value)
+        return str(err.value)
+
+    chunk = dataset / "train" / "chunk-0-0.bin"
+    good = chunk.read_bytes()
+    chunk.write_bytes(good[:100])
+    assert f"{chunk} has 100 bytes where index.json records {len(good)}" in setup_error()
+    chunk.unlink()
+    assert f"{chunk} is missing" in setup_error()
+    chunk.write_bytes(good)
+    index = dataset / "val" / "index.json"
+    layout = json.loads(index.read_text())
+    index.write_text(json.dumps(layout)[:-10])
+    assert f"{index} is not valid JSON" in setup_error()
+    index.write_text(json.dumps({**layout, "chunks": [{"filename": "chunk-0-0.bin"}]}))
+    assert f"{index} is not a valid litdata index: chunk 0 has no 'chunk_bytes'" in setup_error()
+    del layout["config"]
+    index.write_text(json.dumps(layout))
+    assert f"{index} is not a valid litdata index: no 'config' object" in setup_error()
+
+
+def test_datamodule_refuses_a_split_smaller_than_one_micro_batch(dataset):
+    # 39 train and 9 val blocks of 17 tokens
+    dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=16, num_workers=1)
+    with pytest.raises(ConfigError) as err:
+        dm.setup("fit")
+    assert err.value.problems == [
+        f"data.data_dir={str(dataset)!r}: the val split has 9 blocks of seq_len+1=17 tokens per "
+        "rank (1 rank(s)), not one full micro-batch of data.batch_size=16 with data.num_workers=1 "
+        "(val would run no batch); lower data.batch_size, data.num_workers or seq_len, or prepare "
+        "more data"]
+    dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=48, num_workers=1)
+    with pytest.raises(ConfigError) as err:
+        dm.setup("fit")
+    train, val = err.value.problems
+    assert "the train split has 39 blocks" in train and "(train would run no step)" in train
+    assert "the val split has 9 blocks" in val and "data.batch_size=48" in val
+    dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=9, num_workers=1)
+    dm.setup("fit")  # one full batch of each: accepted
+    assert sum(1 for _ in dm.val_dataloader()) == 1
