@@ -11,11 +11,14 @@ litdata is imported lazily: importing ``fp8_lightning`` does not start its machi
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
 import os
 import random
+import shutil
+import tempfile
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -25,7 +28,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, publish_directory
 from .config import ConfigError, check_micro_batch
 from .tokenizer import ASSETS, get_tokenizer
 
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 EMBEDDED_CORPUS = ASSETS / "tinyshakespeare.txt"
 EMBEDDED_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 META = "meta.json"
+DATASET_ENTRIES = {"train", "val", META}  # what a prepared dataset directory holds
+REPREPARE = "re-run `python -m fp8_lightning prepare` to rebuild the dataset"
 # Chunks hold this many training blocks; each chunk is a multiple of the block so that no
 # block straddles two chunks (litdata's TokensLoader drops a chunk's partial tail).
 BLOCKS_PER_CHUNK = 256
@@ -72,23 +77,54 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return sorted(dict.fromkeys(files))
 
 
+def _not_utf8(where: str, offset: int) -> ConfigError:
+    return ConfigError([f"inputs: {where}: not UTF-8 text (invalid byte at offset {offset} of the "
+                        "file); convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"],
+                       "prepare inputs")
+
+
 def iter_documents(path: str, text_field: str) -> Iterator[str]:
-    """A .txt file is one document; a .jsonl file has one document per line in ``text_field``."""
+    """A .txt file is one document; a .jsonl file has one document per line in ``text_field``.
+
+    A file that is not UTF-8, an invalid JSON line or a line without a string ``text_field`` is a
+    ``ConfigError`` naming the file (and line)."""
     if path.endswith(".txt"):
-        yield Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _not_utf8(path, err.start) from None
+        # Universal newlines, as read_text() gave before: the same text makes the same shards.
+        yield text.replace("\r\n", "\n").replace("\r", "\n")
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    # Bytes, decoded line by line: a decoding error then names its line and file offset.
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(f"{path}:{lineno}", offset + err.start) from None
+            offset += len(raw)
             if not line.strip():
                 continue
+            where = f"inputs: {path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+                raise ConfigError([f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+                                   "each line must be one JSON object such as "
+                                   f'{{"{text_field}": "..."}}'], "prepare inputs") from None
             if not isinstance(record, dict) or text_field not in record:
-                raise ValueError(f"{path}:{lineno}: no field {text_field!r} "
-                                 f"(set --text_field to the field holding the text)")
-            yield str(record[text_field])
+                has = (f"it has {', '.join(map(repr, list(record)[:5]))}"
+                       if isinstance(record, dict) else f"it is a JSON {type(record).__name__}")
+                raise ConfigError([f"{where}: no field {text_field!r} ({has}); set --text_field "
+                                   "to the field holding the text"], "prepare inputs")
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise ConfigError([f"{where}: field {text_field!r} is a JSON "
+                                   f"{type(value).__name__}, not a string of text"],
+                                  "prepare inputs")
+            yield value
 
 
 def _file_tokens(path: str, tokenizer: str, text_field: str) -> list[int]:
@@ -110,10 +146,70 @@ def _tokenize_split(path: str, *, split: str, tokenizer: str, text_field: str,
         yield torch.tensor(part, dtype=torch.int32)
 
 
-def _split_tokens(split_dir: Path) -> tuple[int, int]:
-    """(tokens, chunks) recorded in a litdata index.json."""
-    index = json.loads((split_dir / "index.json").read_text())
-    return sum(c["dim"] for c in index["chunks"]), len(index["chunks"])
+def _split_size(split_dir: Path, block: int) -> tuple[int, int, int]:
+    """(tokens, chunks, blocks of ``block`` tokens) recorded in a litdata index.json."""
+    chunks = json.loads((split_dir / "index.json").read_text())["chunks"]
+    # TokensLoader reads whole blocks within a chunk: a chunk's partial tail is never read.
+    return (sum(c["dim"] for c in chunks), len(chunks), sum(c["dim"] // block for c in chunks))
+
+
+def _split_counts(tokens: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) tokens of a file of ``tokens`` tokens: val is its last ``val_fraction``."""
+    val = int(tokens * val_fraction)
+    return tokens - val, val
+
+
+def _scan_inputs(files: list[str], tok: Any, text_field: str, val_fraction: float,
+                 block: int) -> tuple[int, int, int]:
+    """Read every document once, in this process, before anything is written: a bad input is one
+    error listing every file's first problem (not a failure in a litdata worker).
+
+    Returns (documents, train tokens, val tokens). The tokens are counted until both splits surely
+    hold a block (counts only grow with more text), so a large corpus is not tokenized twice; a
+    count below ``block`` is therefore exact."""
+    problems, documents, train, val = [], 0, 0, 0
+    for path in files:
+        tokens = 0
+        try:
+            for doc in iter_documents(path, text_field):
+                documents += 1
+                file_train, file_val = _split_counts(tokens, val_fraction)
+                if min(train + file_train, val + file_val) < block:
+                    tokens += len(tok.encode(doc)) + 1  # + end-of-text
+        except ConfigError as err:
+            problems += err.problems
+        file_train, file_val = _split_counts(tokens, val_fraction)
+        train, val = train + file_train, val + file_val
+    if problems:
+        raise ConfigError(problems, "prepare inputs")
+    return documents, train, val
+
+
+def _check_output_dir(out: Path) -> None:
+    """Refuse, before any work, an output_dir that prepare cannot write or would damage: prepare
+    replaces the whole directory, so it must be new, empty or a prepared dataset."""
+    where = f"output_dir={str(out)!r}"
+    if out.exists() and not out.is_dir():
+        raise ConfigError([f"{where} is an existing file; valid: a new directory, an empty one "
+                           "or a prepared dataset to replace"], "prepare output")
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if p.name not in DATASET_ENTRIES)
+        if other:
+            raise ConfigError([f"{where} is a directory that is not a prepared dataset (it holds "
+                               f"{', '.join(other[:5])}{', ...' if len(other) > 5 else ''}); "
+                               "prepare replaces the whole directory: choose a new or empty "
+                               "one"], "prepare output")
+    # The dataset is written beside output_dir and renamed into place; the old one is deleted.
+    parent = next(p for p in out.parents if p.exists())
+    for directory in [parent] + ([out] if out.is_dir() else []):
+        try:
+            if not directory.is_dir():
+                raise NotADirectoryError(20, "not a directory")
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as err:
+            raise ConfigError([f"{where}: cannot write in {directory} ({err.strerror}); choose "
+                               "a writable location"], "prepare output") from None
 
 
 def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gpt2", text_field: str = "text",
@@ -124,7 +220,8 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     Args:
         inputs: a file, a glob (``'data/*.jsonl'``) or a list of them; a .txt file is one document, a .jsonl file holds
             one document per line in ``text_field``.
-        output_dir: where ``train/``, ``val/`` and ``meta.json`` are written (replaced if present).
+        output_dir: where ``train/``, ``val/`` and ``meta.json`` are written: a new or empty
+            directory, or a prepared dataset, which is replaced only once the new one is complete.
         tokenizer: ``gpt2`` (offline GPT-2 BPE) or the path of a Hugging Face ``tokenizer.json``.
         text_field: the JSON field holding the text in ``.jsonl`` inputs.
         val_fraction: the share of every file's tokens (its end) kept for validation.
@@ -149,38 +246,140 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     files = expand_inputs([inputs] if isinstance(inputs, str) else list(inputs))
     tok = get_tokenizer(tokenizer)
     out = Path(output_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    _check_output_dir(out)
+    block = seq_len + 1
+    documents, train_tokens, val_tokens = _scan_inputs(files, tok, text_field, val_fraction, block)
+    problems = []
+    if train_tokens < block:
+        problems.append(f"the train split would have {train_tokens} tokens, fewer than one block of "
+                        f"seq_len+1={block}: lower seq_len, lower val_fraction={val_fraction} or "
+                        "add data")
+    if val_tokens < block:
+        problems.append(f"the val split would have {val_tokens} tokens (val_fraction={val_fraction} "
+                        f"of every file), fewer than one block of seq_len+1={block}: lower seq_len, "
+                        "raise val_fraction or add data")
+    if problems:
+        raise ConfigError(problems, f"prepare ({documents} documents in {len(files)} file(s))")
+
     # Not the CPU count: the worker count decides the chunk layout, and a dataset prepared on
     # another machine must come out the same.
     workers = num_workers or min(len(files), 8)
-    documents = sum(1 for f in files for _ in iter_documents(f, text_field))
-    for split in ("train", "val"):
-        rank_zero_info(f"prepare: tokenizing {len(files)} file(s) -> {out / split}")
-        optimize(
-            fn=partial(_tokenize_split, split=split, tokenizer=tokenizer, text_field=text_field,
-                       val_fraction=val_fraction),
-            inputs=files, output_dir=str(out / split), chunk_size=(seq_len + 1) * BLOCKS_PER_CHUNK,
-            item_loader=TokensLoader(), num_workers=workers, mode="overwrite",
-            start_method="spawn" if workers > 1 else None,
-            # litdata's default hands files to whichever worker is free and names chunks by worker:
-            # each run ordered the same data differently. A fixed in-order slice per worker, files
-            # in sorted order (not by size), makes the shards reproducible.
-            keep_data_ordered=True, reorder_files=False,
-        )
-    train_tokens, train_chunks = _split_tokens(out / "train")
-    val_tokens, val_chunks = _split_tokens(out / "val")
-    meta = dict(tokenizer=tok.name if tokenizer == "gpt2" else str(Path(tokenizer).resolve()),
-                vocab_size=tok.vocab_size, eot_id=tok.eot_id, seq_len=seq_len, files=files,
-                num_workers=workers, documents=documents, train_tokens=train_tokens,
-                val_tokens=val_tokens, shards=train_chunks + val_chunks)
-    (out / META).write_text(json.dumps(meta, indent=2))
+    # Written beside output_dir and swapped into place when complete: a failed or interrupted
+    # prepare leaves the dataset that was there untouched.
+    tmp = out.with_name(f".{out.name}.prepare-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)  # (not mkdtemp: its 0700 would become the dataset's permissions)
+    try:
+        for split in ("train", "val"):
+            rank_zero_info(f"prepare: tokenizing {len(files)} file(s) -> {out / split}")
+            optimize(
+                fn=partial(_tokenize_split, split=split, tokenizer=tokenizer,
+                           text_field=text_field, val_fraction=val_fraction),
+                inputs=files, output_dir=str(tmp / split), chunk_size=block * BLOCKS_PER_CHUNK,
+                item_loader=TokensLoader(), num_workers=workers, mode="overwrite",
+                start_method="spawn" if workers > 1 else None,
+                # litdata's default hands files to whichever worker is free and names chunks by
+                # worker: each run ordered the same data differently. A fixed in-order slice per
+                # worker, files in sorted order (not by size), makes the shards reproducible.
+                keep_data_ordered=True, reorder_files=False,
+            )
+        train_tokens, train_chunks, train_blocks = _split_size(tmp / "train", block)
+        val_tokens, val_chunks, val_blocks = _split_size(tmp / "val", block)
+        # Each worker's last chunk drops its partial block: many workers on little data can
+        # leave a split without a whole block although its token count is enough.
+        short = [split for split, n in (("train", train_blocks), ("val", val_blocks)) if not n]
+        if short:
+            raise ConfigError([f"the {split} split came out with no whole block of seq_len+1="
+                               f"{block} tokens (its tokens are split among num_workers="
+                               f"{workers}); lower num_workers or seq_len, or add data"
+                               for split in short], "prepare")
+        meta = dict(tokenizer=tok.name if tokenizer == "gpt2" else str(Path(tokenizer).resolve()),
+                    vocab_size=tok.vocab_size, eot_id=tok.eot_id, seq_len=seq_len, files=files,
+                    num_workers=workers, documents=documents, train_tokens=train_tokens,
+                    val_tokens=val_tokens, shards=train_chunks + val_chunks)
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        publish_directory(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     rank_zero_info(f"prepare: {documents:,} documents, {train_tokens:,} train + {val_tokens:,} val "
                    f"tokens, {train_chunks + val_chunks} shards -> {out}")
-    if val_tokens < seq_len + 1:
-        raise ConfigError([f"val_fraction={val_fraction}: the validation split has {val_tokens} "
-                           f"tokens, fewer than one block of seq_len+1={seq_len + 1}; raise "
-                           "val_fraction or add data"], "prepare")
     return meta
+
+
+def _index_layout_problem(data: Any) -> Optional[str]:
+    """What a parsed index.json lacks that litdata's reader needs (None: nothing)."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    for key, kind in (("chunks", list), ("config", dict)):
+        if not isinstance(data.get(key), kind):
+            return f"no {key!r} {'list' if kind is list else 'object'}"
+    absent = [k for k in ("compression", "data_format", "data_spec", "item_loader")
+              if k not in data["config"]]
+    if absent:
+        return f"its 'config' has no {', '.join(map(repr, absent))}"
+    if data["config"]["item_loader"] != "TokensLoader":
+        return (f"its item_loader is {data['config']['item_loader']!r}, not 'TokensLoader' (not "
+                "a dataset written by prepare)")
+    for i, chunk in enumerate(data["chunks"]):
+        absent = [k for k in ("filename", "chunk_bytes", "chunk_size", "dim")
+                  if not isinstance(chunk, dict) or k not in chunk]
+        if absent:
+            return f"chunk {i} has no {', '.join(map(repr, absent))}"
+    return None
+
+
+def _check_split(split_dir: Path) -> list[str]:
+    """Problems of a local split: an index.json litdata cannot read, or a chunk file that is
+    missing or not the size its index records (litdata would wait for it, then time out)."""
+    index = split_dir / "index.json"
+    try:
+        data = json.loads(index.read_text())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return [f"{index} is not valid JSON ({err})"]
+    why = _index_layout_problem(data)
+    if why:
+        return [f"{index} is not a valid litdata index: {why}"]
+    problems = []
+    for chunk in data["chunks"]:
+        path, size = split_dir / str(chunk["filename"]), chunk["chunk_bytes"]
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{path} has {path.stat().st_size} bytes where {index.name} records "
+                            f"{size} (truncated or overwritten)")
+    return problems
+
+
+@functools.cache
+def _checked_loader_class() -> type:
+    """litdata's StreamingDataLoader, checking every batch's token ids (built on first use: litdata
+    is imported lazily)."""
+    from litdata import StreamingDataLoader
+
+    class CheckedStreamingDataLoader(StreamingDataLoader):
+        """Token ids outside the vocabulary (a corrupt shard, another tokenizer's dataset) would be
+        an IndexError deep in the embedding, or a device-side assert on a GPU. The batch is checked
+        here, on the CPU in the main process before Lightning moves it to the device: one min/max
+        over a few thousand ints, no device sync. (Raised in a loader worker, the error would come
+        back wrapped in the worker's traceback.)"""
+
+        def __init__(self, *args: Any, vocab_size: Optional[int], where: str, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.vocab_size, self.where = vocab_size, where
+
+        def __iter__(self) -> Iterator[Any]:
+            for batch in super().__iter__():
+                if self.vocab_size is not None and batch.numel():
+                    low, high = (int(v) for v in torch.aminmax(batch))
+                    if low < 0 or high >= self.vocab_size:
+                        bad = high if high >= self.vocab_size else low
+                        raise ConfigError([
+                            f"{self.where}: a batch holds token id {bad}, outside the vocabulary "
+                            f"(0..{self.vocab_size - 1}): a shard is corrupt or was made with "
+                            f"another tokenizer; {REPREPARE}"], "data")
+                yield batch
+
+    return CheckedStreamingDataLoader
 
 
 class TokenShardDataModule(L.LightningDataModule):
@@ -266,8 +465,16 @@ class TokenShardDataModule(L.LightningDataModule):
                 f"data.data_dir={self.dataset_dir!r} is not a prepared dataset: no "
                 f"{' or '.join(m + '/index.json' for m in missing)} (run `python -m fp8_lightning "
                 "prepare` on your text first)")
+        problems = [p for split in ("train", "val") for p in _check_split(root / split)]
         if (root / META).is_file():
-            self.meta = json.loads((root / META).read_text())
+            try:
+                self.meta = json.loads((root / META).read_text())
+                int(self.meta.get("vocab_size", 0))  # the token ids are checked against it
+            except (ValueError, TypeError, AttributeError) as err:
+                problems.append(f"{root / META} is not a valid dataset description ({err})")
+        if problems:
+            raise ConfigError([f"data.data_dir={self.dataset_dir!r}: {p}" for p in problems]
+                              + [REPREPARE], "data")
 
     def setup(self, stage: str) -> None:
         # Datasets are built here, not in __init__: litdata reads the distributed environment
@@ -283,14 +490,34 @@ class TokenShardDataModule(L.LightningDataModule):
             shuffle=shuffle, drop_last=True, seed=self.seed)
         self.train_dataset = make("train", self.shuffle)
         self.val_dataset = make("val", False)
-        for split, ds in (("train", self.train_dataset), ("val", self.val_dataset)):
-            if len(ds) == 0:
-                raise ConfigError([f"data.data_dir={self.dataset_dir!r}: the {split} split has no "
-                                   f"block of seq_len+1={block} tokens"], "data")
         rank_zero_info(f"data: {self.dataset_dir}: {len(self.train_dataset):,} train / "
                        f"{len(self.val_dataset):,} val blocks of {block} tokens")
         if self.emulate_ranks and stage == "fit":
             self._rank_datasets = self._emulated_ranks(make)
+        checks = []
+        if stage == "fit":
+            checks.append(("train", (self._rank_datasets or [self.train_dataset])[0], "no step"))
+        # Validation and test read the val split (unless the run turns validation off).
+        if stage in ("fit", "validate", "test") and getattr(self.trainer, "limit_val_batches", 1):
+            checks.append(("val", self.val_dataset, "no batch"))
+        problems = [p for p in (self._too_few_blocks(*check) for check in checks) if p]
+        if problems:
+            raise ConfigError(problems, "data")
+
+    def _too_few_blocks(self, split: str, dataset: Any, runs: str) -> Optional[str]:
+        """A split that gives a rank no full micro-batch (litdata drops the partial one): the run
+        would train or validate on nothing and still exit 0."""
+        blocks = dataset.get_len(1, 1)  # this rank's blocks
+        # What litdata yields this rank per epoch with this batch size and worker count.
+        samples = dataset.get_len(self.num_workers, self.batch_size)
+        if samples >= self.batch_size:
+            return None
+        world = dataset.distributed_env.world_size
+        return (f"data.data_dir={self.dataset_dir!r}: the {split} split has {blocks} blocks of "
+                f"seq_len+1={self.seq_len + 1} tokens per rank ({world} rank(s)), not one full "
+                f"micro-batch of data.batch_size={self.batch_size} with data.num_workers="
+                f"{self.num_workers} ({split} would run {runs}); lower data.batch_size, "
+                "data.num_workers or seq_len, or prepare more data")
 
     def _emulated_ranks(self, make: Any) -> list[Any]:
         """One training dataset per emulated rank, each told it is rank k of N (litdata assigns
@@ -318,18 +545,25 @@ class TokenShardDataModule(L.LightningDataModule):
                        f"each step reads rank i's samples)")
         return datasets
 
-    def _loader(self, dataset: Any) -> Any:
-        from litdata import StreamingDataLoader
+    def _loader(self, dataset: Any, split: str) -> Any:
+        return _checked_loader_class()(dataset, batch_size=self.batch_size,
+                                       num_workers=self.num_workers, drop_last=True,
+                                       pin_memory=torch.cuda.is_available(),
+                                       vocab_size=self._vocab_size(), where=f"data.data_dir="
+                                       f"{self.dataset_dir!r} ({split} split)")
 
-        return StreamingDataLoader(dataset, batch_size=self.batch_size,
-                                   num_workers=self.num_workers, drop_last=True,
-                                   pin_memory=torch.cuda.is_available())
+    def _vocab_size(self) -> Optional[int]:
+        """Token ids must be below this: the dataset's tokenizer, else the model's vocabulary."""
+        if self.meta.get("vocab_size"):
+            return int(self.meta["vocab_size"])
+        config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
+        return getattr(config, "vocab_size", None)
 
     def train_dataloader(self) -> Any:
         if self._rank_datasets:
             self._train_loader = None  # no resumable loader state (see emulate_ranks)
-            return _Interleaved([self._loader(ds) for ds in self._rank_datasets])
-        self._train_loader = self._loader(self.train_dataset)
+            return _Interleaved([self._loader(ds, "train") for ds in self._rank_datasets])
+        self._train_loader = self._loader(self.train_dataset, "train")
         return self._train_loader
 
     # ------------------------------------------------------------------ exact resume
@@ -395,10 +629,10 @@ class TokenShardDataModule(L.LightningDataModule):
         rank_zero_info(f"data: resumed at block {position} of epoch {expected['epoch']} (verified)")
 
     def val_dataloader(self) -> Any:
-        return self._loader(self.val_dataset)
+        return self._loader(self.val_dataset, "val")
 
     def test_dataloader(self) -> Any:
-        return self._loader(self.val_dataset)
+        return self._loader(self.val_dataset, "val")
 
 
 class _Interleaved:

@@ -8,6 +8,8 @@ import hashlib
 from pathlib import Path
 from typing import Protocol
 
+from .config import ConfigError
+
 ASSETS = Path(__file__).parent / "assets"
 # sha256 of the original GPT-2 BPE files (the values tiktoken's own gpt2 loader checks).
 GPT2_FILES = {
@@ -64,13 +66,19 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tok
 
         self.name = str(path)
-        self._tok = _Tok.from_file(str(path))
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
+            raise ConfigError([f"tokenizer={str(path)!r} is not a valid Hugging Face tokenizer.json "
+                               f"({err}); valid: 'gpt2' or the tokenizer.json saved with a model"],
+                              "tokenizer") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in self.EOT_CANDIDATES]
         found = [i for i in ids if i is not None]
         if not found:
-            raise ValueError(f"tokenizer {path}: none of the end-of-text tokens "
-                             f"{', '.join(self.EOT_CANDIDATES)} is in its vocabulary")
+            raise ConfigError([f"tokenizer={str(path)!r}: none of the end-of-text tokens "
+                               f"{', '.join(self.EOT_CANDIDATES)} is in its vocabulary (prepare "
+                               "puts one after every document)"], "tokenizer")
         self.eot_id = found[0]
 
     def encode(self, text: str) -> list[int]:
@@ -90,8 +98,10 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         path = path / "tokenizer.json"
     if path.suffix == ".json" and path.is_file():
         return HFTokenizer(str(path))
-    raise ValueError(f"tokenizer={name!r}: valid values are 'gpt2' or the path of an existing "
-                     "Hugging Face tokenizer.json (or a directory holding one)")
+    why = "is not a .json file" if path.is_file() else f"no such file {str(path)!r}"
+    raise ConfigError([f"tokenizer={name!r}: {why}; valid values are 'gpt2' or the path of an "
+                       "existing Hugging Face tokenizer.json (or a directory holding one)"],
+                      "tokenizer")
 
 
 def sha256(path: Path) -> str:

@@ -34,3 +34,20 @@ def test_hf_tokenizer_json(tmp_path):
 def test_unknown_tokenizer_is_a_clear_error():
     with pytest.raises(ValueError, match="valid values are 'gpt2' or the path"):
         get_tokenizer("llama-nonexistent")
+
+
+def test_a_tokenizer_without_end_of_text_or_not_a_tokenizer_is_a_config_error(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from fp8_lightning.config import ConfigError
+
+    tk = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(["to be or not to be"] * 20,
+                           trainers.BpeTrainer(special_tokens=["[UNK]"], vocab_size=40))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="none of the end-of-text tokens"):
+        get_tokenizer(str(tmp_path))
+    (tmp_path / "other.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ConfigError, match="other.json' is not a valid Hugging Face tokenizer.json"):
+        get_tokenizer(str(tmp_path / "other.json"))
