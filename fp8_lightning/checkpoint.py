@@ -133,7 +133,7 @@ def _torch_load(path: Path, what: str, map_location: Any, mmap: bool) -> Any:
                               "written by fp8-lightning): refusing to unpickle it") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
         raise CheckpointError(f"checkpoint {what!r} is truncated or corrupt "
-                              f"({str(err).splitlines()[0]}); use an older checkpoint from "
+                              f"({str(err).splitlines()[0][:120]}); use an older checkpoint from "
                               f"{str(Path(what).parent)!r}") from None
 
 

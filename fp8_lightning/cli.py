@@ -28,7 +28,7 @@ from .bench import bench
 from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
 from .config import ConfigError, UsageError
 from .data import TokenShardDataModule, prepare
-from .fp8 import FP8UnavailableError
+from .fp8 import REMOVED_KEYS, FP8UnavailableError
 from .doctor import doctor
 from .module import GPTLightningModule
 from .safety import NonFiniteTrainingError
@@ -56,6 +56,13 @@ def short_parser_message(message: str) -> str:
         return f"{keys[-1]}={value.strip()!r}: expected {kind}"
     if keys and nested:
         return f"{keys[0]}.init_args.{nested[-1][0]}={nested[-1][1]!r} is not valid"
+    unknown = re.findall(r"Option '(\w+)' is not accepted", message)
+    classes = re.findall(r"'class_path': '([\w.]+)'", message)
+    if keys and unknown:
+        owner = f" of {classes[-1].rsplit('.', 1)[-1]}" if classes else ""
+        removed = REMOVED_KEYS.get(unknown[-1])
+        return (f"{keys[0]}: {unknown[-1]!r} is not an option{owner}"
+                + (f" ({removed})" if removed else ""))
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return "; ".join(lines[:3])
 
@@ -285,6 +292,35 @@ def unknown_command(name: str) -> UsageError:
     return UsageError(f"unknown command {name!r}{hint}; valid: {', '.join(valid)}")
 
 
+def check_config_files(argv: list[str]) -> None:
+    """Each ``--config FILE`` is a YAML mapping; else one error naming the file and the line.
+
+    (jsonargparse's message for a YAML error names neither the file nor, usefully, the place.)
+    """
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise UsageError(f"--config {path!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"--config {path!r} cannot be read ({err})") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise UsageError(f"--config {path!r} is not valid YAML: {problem}{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UsageError(f"--config {path!r} holds a {type(loaded).__name__}; expected a "
+                             "mapping of settings (seed_everything:, trainer:, model:, data:)")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = None if argv is None else list(argv)  # None: LightningCLI reads sys.argv itself
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -297,6 +333,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
         if argv and not argv[0].startswith("-") and argv[0] not in TRAINER_COMMANDS:
             raise unknown_command(argv[0])
+        check_config_files(argv)
         FP8LightningCLI(
             GPTLightningModule, TokenShardDataModule, args=args, parser_class=ArgumentParser,
             save_config_kwargs={"overwrite": True},

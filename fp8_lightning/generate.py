@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .checkpoint import CheckpointError, consolidate_checkpoint
+from .checkpoint import consolidate_checkpoint
 from .config import ConfigError, GPTConfig
 from .model import GPT
 
@@ -23,10 +23,7 @@ def load_checkpoint(ckpt: str) -> dict[str, Any]:
     """The checkpoint, validated like every load (``checkpoint.load_checkpoint_file``), that
     also carries a model config; a sharded (FSDP) checkpoint directory is gathered in memory."""
     path = Path(ckpt).expanduser()
-    try:
-        checkpoint = consolidate_checkpoint(path)
-    except CheckpointError as err:
-        raise ConfigError([f"not a readable checkpoint: {err}"], "checkpoint") from None
+    checkpoint = consolidate_checkpoint(path)  # a CheckpointError names the file and why
     config = (checkpoint.get("hyper_parameters") or {}).get("config") or \
         (checkpoint.get("fp8_lightning") or {}).get("config")
     if not isinstance(config, dict):

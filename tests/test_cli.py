@@ -56,7 +56,7 @@ def test_print_config_and_dotted_overrides():
                      "--print_config")
     assert result.returncode == 0, result.stderr
     assert "n_layer: 3" in result.stdout and "fp8_lightning.FP8Precision" in result.stdout
-    assert "amax_history_len: 1024" in result.stdout
+    assert "recipe: delayed" in result.stdout
 
 
 def test_user_errors_are_one_message_without_traceback():
