@@ -351,7 +351,8 @@ def _human(n: float) -> str:
 
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
-    """One row for ``checkpoints``: step, tokens, val loss, precision, size (or the error)."""
+    """One row for ``checkpoints``: step, tokens, val loss (and the step it was measured at),
+    precision, size; or the error."""
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
         else path.stat().st_size
     row: dict[str, Any] = {"file": path.name + ("/" if path.is_dir() else ""), "size": size}
@@ -362,8 +363,8 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         return row
     meta = ckpt.get("fp8_lightning", {})
     row.update(step=ckpt.get("global_step"), tokens=ckpt.get("tokens_seen"),
-               val_loss=meta.get("val_loss"), precision=meta.get("precision", "?"),
-               model=meta.get("config", {}).get("name", "?"))
+               val_loss=meta.get("val_loss"), val_step=meta.get("val_step"),
+               precision=meta.get("precision", "?"), model=meta.get("config", {}).get("name", "?"))
     return row
 
 
@@ -384,6 +385,8 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
             lines.append((r["file"], "-", "-", "-", f"UNREADABLE: {r['error']}", "-", _human(r["size"])))
             continue
         val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        if r["val_loss"] is not None and r.get("val_step") != r["step"]:  # an older validation's
+            val += f" @step {'?' if r.get('val_step') is None else r['val_step']}"
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
         lines.append((r["file"], str(r["step"]), tokens, val, r["precision"], r["model"],
                       _human(r["size"])))
@@ -395,6 +398,12 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
 
 def checkpoints(directory: str) -> None:
     """List the checkpoints in DIRECTORY: step, tokens seen, validation loss, precision, size.
+
+    The validation loss is the last one measured before the checkpoint was written. Where that
+    validation ran at an earlier step than the checkpoint's (``last.ckpt`` is written after
+    further training steps), the step it measured is shown with it: ``3.2100 @step 100`` (``@step
+    ?``: a checkpoint from a version that did not record it). Unreadable checkpoints are listed
+    with the reason.
 
     Args:
         directory: a checkpoint directory (e.g. runs/quickstart/checkpoints) or a run root that

@@ -90,6 +90,7 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen = 0
         self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         self.val_loss = MeanMetric()
+        self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
 
     @override
     def configure_model(self) -> None:
@@ -174,6 +175,8 @@ class GPTLightningModule(L.LightningModule):
         # so sync_dist's mean leaves it unchanged (and keeps Lightning from warning).
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.val_step = self.trainer.global_step
 
     @override
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -240,12 +243,15 @@ class GPTLightningModule(L.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The last validation's loss and the step it measured: a checkpoint written after more
+        # training steps (last.ckpt) records an older val_loss, and says so (`checkpoints`).
         val_loss = self.trainer.callback_metrics.get("val/loss")
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["fp8_lightning"] = {
             "backend": self.backend_name, "config": self.config.to_dict(),
             "precision": self.effective_precision(), "versions": checkpoint_versions(),
-            "val_loss": None if val_loss is None else float(val_loss), "rng": rng_state()}
+            "val_loss": None if val_loss is None else float(val_loss),
+            "val_step": None if val_loss is None else self.val_step, "rng": rng_state()}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, list_checkpoints,
-                                      load_checkpoint_file)
+from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, format_checkpoints,
+                                      list_checkpoints, load_checkpoint_file)
 from fp8_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,8 @@ def test_checkpoint_files_and_what_they_record(short_run):
     assert meta["precision"] == "bf16" and meta["config"]["name"] == "tiny"
     assert set(meta["versions"]) == {"torch", "lightning", "transformer_engine"}
     assert meta["val_loss"] > 0 and last["tokens_seen"] == 10 * 4 * 128
+    assert meta["val_step"] == 8  # the last validation ran at step 8, before steps 9 and 10
+    assert load_checkpoint_file(short_run / best[0])["fp8_lightning"]["val_step"] == 8
     assert last["FP8Precision"]["recipe"]["recipe"] == "delayed"
     assert last["FP8Precision"]["history"][0]["event"] == "unavailable"
     loader = last["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
@@ -86,6 +89,9 @@ def test_checkpoints_command_lists_step_tokens_loss_precision_size(short_run, ca
     out = capsys.readouterr().out
     last = next(line for line in out.splitlines() if line.startswith("last.ckpt"))
     assert "10" in last and "5,120" in last and "bf16" in last and "tiny" in last
+    assert re.search(r"\d\.\d{4} @step 8 ", last)  # the val loss of step 8, not of step 10
+    best = next(line for line in out.splitlines() if line.startswith("best-"))
+    assert re.search(r"\d\.\d{4} ", best) and "@step" not in best  # measured on its own weights
     assert "MB" in last or "KB" in last
     assert "broken.ckpt" in out and "UNREADABLE: truncated or corrupt" in out
     rows = list_checkpoints(str(short_run))
@@ -128,6 +134,15 @@ def test_load_checkpoint_file_rejects_pickles(tmp_path):
                tmp_path / "pickle.ckpt")
     with pytest.raises(CheckpointError, match="pathlib.*refusing to unpickle"):
         load_checkpoint_file(tmp_path / "pickle.ckpt")
+
+
+def test_checkpoints_shows_a_val_loss_measured_at_an_earlier_step_with_that_step():
+    row = {"file": "last.ckpt", "step": 120, "tokens": 1, "val_loss": 3.21, "precision": "bf16",
+           "model": "tiny", "size": 1}
+    assert " 3.2100 @step 100 " in format_checkpoints([dict(row, val_step=100)])
+    assert " 3.2100 " in format_checkpoints([dict(row, val_step=120)])
+    assert "@step" not in format_checkpoints([dict(row, val_step=120)])
+    assert " 3.2100 @step ? " in format_checkpoints([dict(row, val_step=None)])  # older version
 
 
 # ------------------------------------------------------------------------------ exact resume
