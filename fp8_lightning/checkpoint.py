@@ -417,6 +417,56 @@ def checkpoints(directory: str) -> None:
     print(format_checkpoints(rows))
 
 
+def configured_checkpoint_dir(trainer: Any) -> Optional[str]:
+    """Where the :class:`Checkpoint` callback of a trainer config (LightningCLI's parsed
+    ``trainer`` namespace) writes: its ``dirpath``, else ``<default_root_dir>/checkpoints``; None
+    when the config has no such callback."""
+    import importlib
+
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        module, _, name = str(getattr(callback, "class_path", "")).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, Checkpoint):
+            dirpath = (callback.get("init_args") or {}).get("dirpath")
+            return dirpath or os.path.join(trainer.get("default_root_dir") or os.getcwd(),
+                                           "checkpoints")
+    return None
+
+
+def find_checkpoint(which: str, directory: str | os.PathLike) -> str:
+    """The checkpoint that ``--ckpt_path last`` or ``best`` names in ``directory`` (the
+    :class:`Checkpoint` callback's), or one :class:`CheckpointError` saying there is none.
+
+    ``last``: the newest ``last*.ckpt`` (as Lightning picks it). ``best``: the lowest validation
+    loss among the checkpoints whose loss was measured on their own weights (at their own step:
+    the best-k ones); unreadable checkpoints are never candidates.
+    """
+    root = Path(directory)
+    if which == "last":
+        found = list(root.glob("last*.ckpt"))  # (never a hidden .last.ckpt.tmp-PID)
+        if found:
+            return str(max(found, key=lambda p: p.stat().st_mtime))
+        wanted = "no last.ckpt to resume from"
+    elif which == "best":
+        rows = [r for r in (list_checkpoints(str(root)) if root.is_dir() else [])
+                if "error" not in r and r["val_loss"] is not None and r["val_step"] == r["step"]]
+        if rows:
+            return str(root / min(rows, key=lambda r: r["val_loss"])["file"].rstrip("/"))
+        wanted = "no checkpoint validated at its own step (a best-k checkpoint)"
+    else:
+        raise ValueError(f"find_checkpoint({which!r}): valid: last, best")
+    names = sorted(p.name for p in root.glob("*.ckpt")) if root.is_dir() else []
+    there = (f"it holds {', '.join(names)}" if names else "it holds no checkpoints") \
+        if root.is_dir() else "it does not exist"
+    raise CheckpointError(f"--ckpt_path {which}: {wanted} in {str(root)!r} ({there}); start "
+                          "without --ckpt_path, or set --trainer.default_root_dir to the root "
+                          "of the run whose checkpoints you mean")
+
+
 def checkpoint_versions() -> dict[str, str]:
     """Versions recorded in every checkpoint: torch, lightning, TransformerEngine."""
     from .te_support import te_version

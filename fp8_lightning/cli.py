@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningCLI
 
 from .bench import bench
-from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
+from .checkpoint import (CheckpointError, checkpoints, configured_checkpoint_dir, consolidate,
+                         find_checkpoint, load_checkpoint_file)
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
 from .fp8 import FP8UnavailableError
@@ -40,7 +41,13 @@ class FP8LightningCLI(LightningCLI):
         # checkpoint is one error naming the fields (GPTLightningModule.on_load_checkpoint), and
         # a missing, truncated or foreign file is one error naming the path.
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        config = self.config[subcommand] if subcommand else {}
+        ckpt_path = config.get("ckpt_path")
+        directory = configured_checkpoint_dir(config.trainer) if ckpt_path else None
+        if ckpt_path in ("last", "best") and directory:
+            # The file they name, or an error: Lightning would train from scratch where there is
+            # no last checkpoint, and never knows a best one in a new process.
+            ckpt_path = config["ckpt_path"] = find_checkpoint(ckpt_path, directory)
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
             load_checkpoint_file(ckpt_path, mmap=True)
 

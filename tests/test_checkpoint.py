@@ -1,6 +1,7 @@
 """Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, format_checkpoints,
-                                      list_checkpoints, load_checkpoint_file)
+from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, find_checkpoint,
+                                      format_checkpoints, list_checkpoints, load_checkpoint_file)
 from fp8_lightning.cli import main
+from fp8_lightning.config import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,6 +136,61 @@ def test_load_checkpoint_file_rejects_pickles(tmp_path):
                tmp_path / "pickle.ckpt")
     with pytest.raises(CheckpointError, match="pathlib.*refusing to unpickle"):
         load_checkpoint_file(tmp_path / "pickle.ckpt")
+
+
+# ------------------------------------------------------------------- bad input, one error line
+def small_checkpoint(path, step=0, val_loss=None, val_step=None, **config_fields):
+    """A checkpoint as fit writes it, without weights (enough for everything before loading)."""
+    config = dict(GPTConfig(name="tiny").to_dict(), **config_fields)
+    atomic_torch_save({"state_dict": {}, "pytorch-lightning_version": "2.6.0", "global_step": step,
+                       "tokens_seen": 0, "hyper_parameters": {"config": config},
+                       "fp8_lightning": {"config": config, "precision": "bf16",
+                                         "val_loss": val_loss, "val_step": val_step}}, path)
+    return path
+
+
+def cli_error(capsys, *argv):
+    """The message of ``python -m fp8_lightning ARGV`` (run in this process), which must fail
+    with exit status 2 and one ``error:`` line, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    err = capsys.readouterr().err
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    return err[err.index(error_lines[0]):]
+
+
+QUICKSTART = ("--config", "configs/quickstart.yaml")
+
+
+def test_ckpt_path_last_or_best_with_nothing_there_is_an_error_not_a_fresh_start(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    message = cli_error(capsys, "fit", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "last")
+    assert f"--ckpt_path last: no last.ckpt to resume from in {str(run / 'checkpoints')!r} " \
+           "(it does not exist)" in message, message
+    small_checkpoint(run / "checkpoints" / "last.ckpt", step=10, val_loss=2.0, val_step=8)
+    message = cli_error(capsys, "validate", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "best")
+    assert "--ckpt_path best: no checkpoint validated at its own step" in message
+    assert "it holds last.ckpt" in message
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "last.ckpt"]  # no training
+
+
+
+def test_last_is_the_newest_last_checkpoint_and_best_the_lowest_loss_of_its_own_weights(tmp_path):
+    small_checkpoint(tmp_path / "last.ckpt", step=10, val_loss=1.5, val_step=8)
+    small_checkpoint(tmp_path / "last-v1.ckpt", step=12, val_loss=1.5, val_step=8)
+    os.utime(tmp_path / "last.ckpt", (time.time() - 60,) * 2)
+    small_checkpoint(tmp_path / "best-step0000004.ckpt", step=4, val_loss=2.5, val_step=4)
+    small_checkpoint(tmp_path / "best-step0000008.ckpt", step=8, val_loss=2.0, val_step=8)
+    small_checkpoint(tmp_path / "step-0000010.ckpt", step=10, val_loss=1.0, val_step=8)  # older val
+    (tmp_path / "best-broken.ckpt").write_bytes(b"not a checkpoint")
+    (tmp_path / ".last.ckpt.tmp-1").write_bytes(b"torn")
+    assert find_checkpoint("last", tmp_path) == str(tmp_path / "last-v1.ckpt")
+    assert find_checkpoint("best", tmp_path) == str(tmp_path / "best-step0000008.ckpt")
 
 
 def test_checkpoints_shows_a_val_loss_measured_at_an_earlier_step_with_that_step():
