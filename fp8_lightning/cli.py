@@ -39,7 +39,9 @@ class FP8LightningCLI(LightningCLI):
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
         # replacing what the user set. Here the config decides; a model that does not match the
         # checkpoint is one error naming the fields (GPTLightningModule.on_load_checkpoint), and
-        # a missing, truncated or foreign file is one error naming the path.
+        # a missing, truncated or foreign file is one error naming the path. The allow-listing
+        # loaders read it here, before anything else touches it: no code runs from a crafted
+        # checkpoint.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else {}
         ckpt_path = config.get("ckpt_path")
