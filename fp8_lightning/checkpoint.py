@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
+from .config import GPTConfig
+
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, foreign or does not match this run."""
@@ -355,6 +357,16 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
         raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (needs "
                               f"{' and '.join(required)}; found {keys})")
     return checkpoint
+
+
+def recorded_config(checkpoint: dict[str, Any], path: str | os.PathLike) -> Optional[GPTConfig]:
+    """The model config a checkpoint records (``hyper_parameters['config']``, else
+    ``fp8_lightning['config']``), or None; a field this version does not know is one error."""
+    config = (checkpoint.get("hyper_parameters") or {}).get("config") or \
+        (checkpoint.get("fp8_lightning") or {}).get("config")
+    if not isinstance(config, dict):
+        return None
+    return GPTConfig.from_dict(config, f"model config recorded in checkpoint {str(path)!r}")
 
 
 def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .bench import bench
 from .checkpoint import (CheckpointError, checkpoints, configured_checkpoint_dir, consolidate,
-                         find_checkpoint, load_checkpoint_file)
+                         find_checkpoint, load_checkpoint_file, recorded_config)
 from .config import ConfigError
 from .data import TokenShardDataModule, prepare
 from .fp8 import FP8UnavailableError
@@ -39,9 +39,9 @@ class FP8LightningCLI(LightningCLI):
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
         # replacing what the user set. Here the config decides; a model that does not match the
         # checkpoint is one error naming the fields (GPTLightningModule.on_load_checkpoint), and
-        # a missing, truncated or foreign file is one error naming the path. The allow-listing
-        # loaders read it here, before anything else touches it: no code runs from a crafted
-        # checkpoint.
+        # a missing, truncated or foreign file (or a recorded model field this version does not
+        # know) is one error naming the path. The allow-listing loaders read it here, before
+        # anything else touches it: no code runs from a crafted checkpoint.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else {}
         ckpt_path = config.get("ckpt_path")
@@ -51,7 +51,7 @@ class FP8LightningCLI(LightningCLI):
             # no last checkpoint, and never knows a best one in a new process.
             ckpt_path = config["ckpt_path"] = find_checkpoint(ckpt_path, directory)
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
-            load_checkpoint_file(ckpt_path, mmap=True)
+            recorded_config(load_checkpoint_file(ckpt_path, mmap=True), ckpt_path)
 
 
 def _run_function(fn: Callable, argv: list[str]) -> Any:

@@ -70,7 +70,7 @@ class GPTLightningModule(L.LightningModule):
         if config is None:
             config = GPTConfig()
         elif isinstance(config, dict):  # from a checkpoint's hyperparameters
-            config = GPTConfig(**config)
+            config = GPTConfig.from_dict(config, "model.config (the checkpoint's hyperparameters)")
         self.config = config
         problems = []
         if not learning_rate > 0:
@@ -269,6 +269,9 @@ class GPTLightningModule(L.LightningModule):
 def check_same_model(saved: dict[str, Any], config: GPTConfig) -> None:
     """One error listing every model field where this run differs from the checkpoint."""
     current = config.to_dict()
+    unknown = [k for k in saved if k not in current]
+    if unknown:  # not "model.config.X=None but ...": this version has no such field
+        GPTConfig.from_dict(saved, "model config recorded in the checkpoint")
     problems = [f"model.config.{k}={current.get(k)!r} but the checkpoint was trained with "
                 f"{k}={v!r}" for k, v in saved.items() if k != "name" and current.get(k) != v]
     if problems:

@@ -16,7 +16,7 @@ import torch
 from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, find_checkpoint,
                                       format_checkpoints, list_checkpoints, load_checkpoint_file)
 from fp8_lightning.cli import main
-from fp8_lightning.config import GPTConfig
+from fp8_lightning.config import ConfigError, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,6 +163,28 @@ def cli_error(capsys, *argv):
 QUICKSTART = ("--config", "configs/quickstart.yaml")
 
 
+def test_a_recorded_config_field_this_version_does_not_know_is_one_error(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(ROOT)
+    future = small_checkpoint(tmp_path / "future.ckpt", moe_experts=8)
+    for argv in (["generate", "--ckpt", str(future), "--device", "cpu"],
+                 ["fit", *QUICKSTART, "--trainer.default_root_dir", str(tmp_path / "run"),
+                  "--ckpt_path", str(future)]):
+        message = cli_error(capsys, *argv)
+        assert str(future) in message, message
+        assert "moe_experts: not a field of this version's GPTConfig" in message
+        assert "valid fields: name, vocab_size, block_size" in message
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    # Python API: a module rebuilt from the checkpoint's hyperparameters, a resume's model check
+    from fp8_lightning.module import GPTLightningModule, check_same_model
+
+    config = torch.load(future, weights_only=True)["hyper_parameters"]["config"]
+    with pytest.raises(ConfigError, match="moe_experts: not a field"):
+        GPTLightningModule(config=config, backend="torch")
+    with pytest.raises(ConfigError, match="moe_experts: not a field"):
+        check_same_model(config, GPTConfig(name="tiny"))
+
+
 def test_ckpt_path_last_or_best_with_nothing_there_is_an_error_not_a_fresh_start(
         tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -177,7 +199,12 @@ def test_ckpt_path_last_or_best_with_nothing_there_is_an_error_not_a_fresh_start
     assert "--ckpt_path best: no checkpoint validated at its own step" in message
     assert "it holds last.ckpt" in message
     assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "last.ckpt"]  # no training
-
+    # `best` names the best-k checkpoint, which is then checked like any other
+    small_checkpoint(run / "checkpoints" / "best-step0000008.ckpt", step=8, val_loss=2.0,
+                     val_step=8, moe_experts=8)
+    message = cli_error(capsys, "validate", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "best")
+    assert str(run / "checkpoints" / "best-step0000008.ckpt") in message and "moe_experts" in message
 
 
 def test_last_is_the_newest_last_checkpoint_and_best_the_lowest_loss_of_its_own_weights(tmp_path):
