@@ -60,7 +60,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
+
+    A failed write (disk full, quota, I/O error) removes the temporary file, leaves ``path`` as it
+    was and raises one :class:`CheckpointError` naming ``path`` and the reason.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -70,9 +74,29 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch's writer reports a failed write as RuntimeError
+        raise CheckpointError(_write_failure(path, err)) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def _write_failure(path: Path, err: BaseException) -> str:
+    # torch's zip writer turns a failed write into "[enforce fail at inline_container.cc:NNN] .
+    # unexpected pos ..." with the OSError (e.g. ENOSPC) as its context: report that OSError.
+    cause: Optional[BaseException] = err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        reason = os.strerror(cause.errno).lower()  # e.g. "no space left on device"
+    else:
+        reason = re.sub(r"^\[enforce fail at [^\]]*\][\s.]*", "", str(err).strip()).split("\n")[0]
+    try:
+        reason += f" ({_human(shutil.disk_usage(path.parent).free)} free there)"
+    except OSError:
+        pass
+    return (f"could not write checkpoint {str(path)!r}: {reason or type(err).__name__}; "
+            f"{path.name} was left as it was")
 
 
 _RENAME_EXCHANGE = 2

@@ -1,5 +1,7 @@
 """Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
 
+import errno
+import io
 import json
 import os
 import re
@@ -13,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, find_checkpoint,
-                                      format_checkpoints, list_checkpoints, load_checkpoint_file)
+import fp8_lightning.checkpoint as checkpoint_module
+from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
+                                      find_checkpoint, format_checkpoints, list_checkpoints,
+                                      load_checkpoint_file)
 from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError, GPTConfig
 
@@ -227,6 +231,41 @@ def test_checkpoints_shows_a_val_loss_measured_at_an_earlier_step_with_that_step
     assert " 3.2100 " in format_checkpoints([dict(row, val_step=120)])
     assert "@step" not in format_checkpoints([dict(row, val_step=120)])
     assert " 3.2100 @step ? " in format_checkpoints([dict(row, val_step=None)])  # older version
+
+
+def test_disk_full_while_writing_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    small_checkpoint(target, step=1)
+    before = target.read_bytes()
+
+    class FullDisk(io.FileIO):  # the filesystem fills up after 64 KB of the new checkpoint
+        written = 0
+
+        def write(self, data):
+            FullDisk.written += len(data)
+            if FullDisk.written > 65536:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    monkeypatch.setattr(checkpoint_module, "open", FullDisk, raising=False)
+    big = {"state_dict": {"w": torch.ones(256, 1024)}, "pytorch-lightning_version": "2.6.0"}
+    with pytest.raises(CheckpointError, match=rf"^could not write checkpoint "
+                                              rf"{re.escape(repr(str(target)))}: no space left on "
+                                              r"device \(.* free there\); last.ckpt was left as"):
+        AtomicCheckpointIO().save_checkpoint(big, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temporary is gone
+    monkeypatch.undo()
+
+    def failing_save(obj, f):  # torch's own report of a failed write, without an OSError
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                           "failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(CheckpointError, match=r"PytorchStreamWriter failed writing file data/0: "
+                                              r"file write failed \("):
+        atomic_torch_save(big, target)
+    assert target.read_bytes() == before and len(list(tmp_path.iterdir())) == 1
 
 
 # ------------------------------------------------------------------------------ exact resume
