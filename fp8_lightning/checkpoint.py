@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
 import os
 import pickle
 import re
@@ -42,6 +43,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
 from .config import GPTConfig
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -135,6 +138,51 @@ def publish_directory(tmp: Path, path: Path) -> None:
     else:
         os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (PermissionError), or unsure: keep
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
+    """Remove the ``.NAME.tmp-PID`` (and ``.NAME.old-PID``) files and directories that checkpoint
+    writes killed mid-way left in ``directory`` (their PID no longer runs); returns their names.
+
+    One is kept (with a warning) while ``NAME`` itself is missing: a sharded write killed between
+    :func:`publish_directory`'s two renames leaves the only copies there. (The PID check is for
+    this host: do not share a checkpoint directory between runs on several hosts.)
+    """
+    root = Path(directory)
+    removed, kept = [], []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        match = _TEMPORARY.match(path.name)
+        if not match or _running(int(match["pid"])):
+            continue
+        if not (root / match["name"]).exists():
+            kept.append(path.name)
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    if removed:
+        log.info("checkpoints: removed %d temporar%s left by killed writes in %s: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", root, ", ".join(removed))
+    if kept:
+        log.warning("checkpoints: kept %s in %s: the checkpoint it was written for is missing, so "
+                    "it may be the only copy (rename it if `python -m fp8_lightning checkpoints` "
+                    "reads it, else delete it)", ", ".join(kept), root)
+    return removed
 
 
 def link_copy_directory(src: Path, dst: Path) -> None:
@@ -523,6 +571,8 @@ class Checkpoint(ModelCheckpoint):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: make writes atomic
             strategy.checkpoint_io = AtomicCheckpointIO()
         super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero:  # a SIGKILL mid-write leaves its temporary behind
+            remove_stale_temporaries(self.dirpath)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,

@@ -3,6 +3,7 @@
 import errno
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -12,13 +13,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 import fp8_lightning.checkpoint as checkpoint_module
-from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
-                                      find_checkpoint, format_checkpoints, list_checkpoints,
-                                      load_checkpoint_file)
+from fp8_lightning.checkpoint import (AtomicCheckpointIO, Checkpoint, CheckpointError,
+                                      atomic_torch_save, find_checkpoint, format_checkpoints,
+                                      list_checkpoints, load_checkpoint_file,
+                                      remove_stale_temporaries)
 from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError, GPTConfig
 
@@ -266,6 +269,34 @@ def test_disk_full_while_writing_keeps_the_previous_checkpoint_and_says_so(tmp_p
                                               r"file write failed \("):
         atomic_torch_save(big, target)
     assert target.read_bytes() == before and len(list(tmp_path.iterdir())) == 1
+
+
+def test_temporaries_of_killed_writes_are_removed_when_checkpointing_starts(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        (directory / name).write_bytes(b"complete")
+    (directory / f".last.ckpt.tmp-{dead.pid}").write_bytes(b"torn")  # a single-file write
+    (directory / f".best.ckpt.tmp-{dead.pid}").mkdir()  # a sharded write
+    (directory / f".best.ckpt.tmp-{dead.pid}" / "__0_0.distcp").write_bytes(b"torn")
+    (directory / f".last.ckpt.tmp-{os.getpid()}").write_bytes(b"being written")  # running: kept
+    (directory / f".first.ckpt.tmp-{dead.pid}").write_bytes(b"?")  # first.ckpt missing: kept
+
+    trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint()], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="fp8_lightning.checkpoint"):
+        trainer.checkpoint_callback.setup(trainer, L.LightningModule(), "fit")
+
+    assert sorted(p.name for p in directory.iterdir()) == [
+        f".first.ckpt.tmp-{dead.pid}", f".last.ckpt.tmp-{os.getpid()}", "best.ckpt", "last.ckpt"]
+    (removed,) = [r.message for r in caplog.records if "removed" in r.message]
+    assert f"removed 2 temporaries left by killed writes in {directory}" in removed
+    (kept,) = [r.message for r in caplog.records if r.levelno == logging.WARNING
+               and "kept" in r.message]
+    assert f".first.ckpt.tmp-{dead.pid}" in kept and "may be the only copy" in kept
+    assert remove_stale_temporaries(directory) == []  # nothing left to do
 
 
 # ------------------------------------------------------------------------------ exact resume
