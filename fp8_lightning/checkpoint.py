@@ -6,6 +6,12 @@
   whose temporary file lives in ``/tmp`` and is *copied* over the target when ``/tmp`` is another
   filesystem, which is not atomic.) Loading turns missing, truncated and foreign files into one
   :class:`CheckpointError` naming the path.
+* No code runs from a checkpoint: every file is unpickled by an allow-listing unpickler. Lightning
+  files (``*.ckpt``, a sharded directory's ``meta.pt``) by ``torch.load(weights_only=True)``; a
+  sharded directory's ``.metadata`` (which torch's DCP reader unpickles with plain ``pickle``) by
+  :class:`MetadataUnpickler`, and its shards by :class:`SafeFileSystemReader` and
+  :class:`SafeLoadPlanner` (DCP's default planner unpickles non-tensor entries with
+  ``weights_only=False``).
 * :class:`Checkpoint` is Lightning's ``ModelCheckpoint`` with the project's defaults: one stable
   directory per run root (so ``--ckpt_path last`` finds it across runs), ``last.ckpt`` every N steps
   and at the end, best-k by ``val/loss``, and optionally the last K periodic checkpoints.
@@ -15,19 +21,30 @@
 from __future__ import annotations
 
 import ctypes
+import io
+import logging
 import os
 import pickle
 import re
 import shutil
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
+                                                          _EmptyStateDictLoadPlanner)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
+
+from .config import GPTConfig
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -46,7 +63,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
+
+    A failed write (disk full, quota, I/O error) removes the temporary file, leaves ``path`` as it
+    was and raises one :class:`CheckpointError` naming ``path`` and the reason.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -56,9 +77,29 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch's writer reports a failed write as RuntimeError
+        raise CheckpointError(_write_failure(path, err)) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def _write_failure(path: Path, err: BaseException) -> str:
+    # torch's zip writer turns a failed write into "[enforce fail at inline_container.cc:NNN] .
+    # unexpected pos ..." with the OSError (e.g. ENOSPC) as its context: report that OSError.
+    cause: Optional[BaseException] = err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        reason = os.strerror(cause.errno).lower()  # e.g. "no space left on device"
+    else:
+        reason = re.sub(r"^\[enforce fail at [^\]]*\][\s.]*", "", str(err).strip()).split("\n")[0]
+    try:
+        reason += f" ({_human(shutil.disk_usage(path.parent).free)} free there)"
+    except OSError:
+        pass
+    return (f"could not write checkpoint {str(path)!r}: {reason or type(err).__name__}; "
+            f"{path.name} was left as it was")
 
 
 _RENAME_EXCHANGE = 2
@@ -99,6 +140,51 @@ def publish_directory(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (PermissionError), or unsure: keep
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
+    """Remove the ``.NAME.tmp-PID`` (and ``.NAME.old-PID``) files and directories that checkpoint
+    writes killed mid-way left in ``directory`` (their PID no longer runs); returns their names.
+
+    One is kept (with a warning) while ``NAME`` itself is missing: a sharded write killed between
+    :func:`publish_directory`'s two renames leaves the only copies there. (The PID check is for
+    this host: do not share a checkpoint directory between runs on several hosts.)
+    """
+    root = Path(directory)
+    removed, kept = [], []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        match = _TEMPORARY.match(path.name)
+        if not match or _running(int(match["pid"])):
+            continue
+        if not (root / match["name"]).exists():
+            kept.append(path.name)
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    if removed:
+        log.info("checkpoints: removed %d temporar%s left by killed writes in %s: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", root, ", ".join(removed))
+    if kept:
+        log.warning("checkpoints: kept %s in %s: the checkpoint it was written for is missing, so "
+                    "it may be the only copy (rename it if `python -m fp8_lightning checkpoints` "
+                    "reads it, else delete it)", ", ".join(kept), root)
+    return removed
+
+
 def link_copy_directory(src: Path, dst: Path) -> None:
     """``dst`` as a copy of checkpoint directory ``src`` made of hard links (no extra write)."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
@@ -115,6 +201,7 @@ def link_copy_directory(src: Path, dst: Path) -> None:
 
 
 SHARDED_META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -123,18 +210,190 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-def _torch_load(path: Path, what: str, map_location: Any, mmap: bool) -> Any:
+def _unpickle_refused(what: str, found: str, allowed: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {what!r} holds a pickled object other than {allowed} "
+                           f"({found}; not written by fp8-lightning): refusing to unpickle it")
+
+
+def _corrupt(what: str, err: BaseException, checkpoint: str | os.PathLike) -> CheckpointError:
+    message = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint {what!r} is truncated or corrupt ({message}); use an "
+                           f"older checkpoint from {str(Path(checkpoint).parent)!r}")
+
+
+def _torch_load(source: Path | io.BytesIO, what: str, checkpoint: str | os.PathLike,
+                map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of ``source`` (``what``, a part of ``checkpoint``)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-        raise CheckpointError(f"checkpoint {what!r} holds objects other than tensors and plain "
-                              f"types ({found.group(1) if found else 'a pickled object'}; not "
-                              "written by fp8-lightning): refusing to unpickle it") from None
+        found = re.search(r"GLOBAL [\w.]+", str(err))  # "Unsupported global: GLOBAL x.y", ...
+        raise _unpickle_refused(what, found.group(0) if found else "a pickled object",
+                                "tensors and plain types") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
-        raise CheckpointError(f"checkpoint {what!r} is truncated or corrupt "
-                              f"({str(err).splitlines()[0][:120]}); use an older checkpoint from "
-                              f"{str(Path(what).parent)!r}") from None
+        raise _corrupt(what, err, checkpoint) from None
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside :attr:`MetadataUnpickler.ALLOWED`."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.distributed.checkpoint`` ``.metadata`` file and nothing else.
+
+    Only the globals such a file references are resolved (as listed from the files that torch 2.11
+    and 2.14 write for an FSDP2 model and optimizer); any other is refused before it is called.
+    Names are matched exactly, so ``pathlib.Path.touch`` is not ``pathlib.Path``.
+    """
+
+    ALLOWED: dict[str, frozenset[str]] = {
+        "torch.distributed.checkpoint.metadata": frozenset({
+            "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "_MEM_FORMAT_ENCODING"}),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),  # a torch.layout by name
+        # StorageMeta.checkpoint_id is the path the checkpoint was written to.
+        "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath",
+                              "PureWindowsPath"}),
+        "collections": frozenset({"OrderedDict"}),
+        "builtins": frozenset({"set", "frozenset", "bytearray"}),
+    }
+    ALLOWED["pathlib._local"] = ALLOWED["pathlib"]  # Python >= 3.13 pickles paths from there
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch":  # dtypes, torch.Size, memory formats and layouts only
+            value = vars(torch).get(name)
+            if value is torch.Size or isinstance(value, (torch.dtype, torch.memory_format,
+                                                         torch.layout)):
+                return value
+        raise _Refused(f"GLOBAL {module}.{name}")
+
+
+def read_dcp_metadata(directory: str | os.PathLike) -> Metadata:
+    """The ``.metadata`` of a sharded checkpoint, unpickled by :class:`MetadataUnpickler`.
+
+    Also refuses shard names that would lead outside the directory.
+    """
+    path = Path(directory) / DCP_METADATA
+    what = str(path)
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except _Refused as err:
+        raise _unpickle_refused(what, str(err), "checkpoint metadata") from None
+    except Exception as err:  # noqa: BLE001 - only allow-listed code ran: anything else is damage
+        raise _corrupt(what, err, directory) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {what!r} is not torch.distributed.checkpoint metadata "
+                              f"(found {type(metadata).__name__})")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+            raise CheckpointError(f"checkpoint {what!r} names a shard outside its directory "
+                                  f"({name!r}): refusing to read it")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` goes through :func:`read_dcp_metadata` (torch's
+    own ``read_metadata`` is a plain ``pickle.load``: a crafted file runs code). Its shards' tensors
+    are read by torch with ``weights_only=True``; non-tensor entries go to the planner
+    (:class:`SafeLoadPlanner`)."""
+
+    refused: Optional[CheckpointError] = None  # DCP reports a failed read as "metadata is None"
+
+    # No **kwargs: DCP then never falls back to per-rank `__R.metadata` files (not written here).
+    @override
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        try:
+            metadata = read_dcp_metadata(self.path)
+        except CheckpointError as err:
+            self.refused = err
+            raise
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyBytes:
+    """``load_bytes`` with ``weights_only=True``: DCP's ``DefaultLoadPlanner.load_bytes``
+    unpickles non-tensor entries (optimizer hyperparameters, ...) with ``weights_only=False``."""
+
+    def __init__(self, checkpoint: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        self.checkpoint = str(checkpoint)
+        super().__init__(*args, **kwargs)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        obj = _torch_load(value, f"{self.checkpoint} (its shards' entry {fqn})", self.checkpoint)
+        # The rest as DefaultLoadPlanner.load_bytes (torch 2.6 to 2.14).
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that unpickles non-tensor entries with ``weights_only=True``."""
+
+
+class _SafeEmptyStateDictLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """DCP's planner for a load into an empty dict, non-tensor entries ``weights_only``."""
+
+
+def _dcp_failure(err: BaseException, reader: SafeFileSystemReader) -> BaseException:
+    """The exception behind a failed DCP load: the reader's refusal, else the first rank's
+    failure that DCP's ``CheckpointException`` wraps."""
+    if reader.refused is not None:
+        return reader.refused
+    failures = getattr(err, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return err
+
+
+def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
+    """``torch.distributed.checkpoint.load`` of ``path`` into ``state_dict`` (in place), through the
+    allow-listed reader and planner; a refused or unreadable file is one :class:`CheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    reader = SafeFileSystemReader(path)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(path))
+    except (Exception, CheckpointException) as err:
+        failure = _dcp_failure(err, reader)
+        if isinstance(failure, CheckpointError):
+            raise failure from None
+        raise
+
+
+@contextmanager
+def safe_lightning_dcp_loads() -> Iterator[None]:
+    """Lightning's sharded-checkpoint loads (``ModelParallelStrategy.load_checkpoint``) through
+    :func:`safe_dcp_load`.
+
+    Lightning calls ``torch.distributed.checkpoint.load(state, checkpoint_id=path)``, which picks
+    torch's ``FileSystemReader`` (plain ``pickle`` for ``.metadata``) and offers no way to pass
+    another reader, so its private ``_distributed_checkpoint_load`` is swapped for the duration
+    (lightning 2.4 to 2.6: ``lightning/fabric/strategies/model_parallel.py``).
+    """
+    from lightning.fabric.strategies import model_parallel
+
+    original = model_parallel._distributed_checkpoint_load
+    model_parallel._distributed_checkpoint_load = safe_dcp_load
+    try:
+        yield
+    finally:
+        model_parallel._distributed_checkpoint_load = original
 
 
 def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
@@ -142,16 +401,20 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
     """Load a Lightning checkpoint with ``weights_only=True``; one clear error for bad files.
 
     For a sharded checkpoint (a directory) this is its ``meta.pt``: everything but the weights and
-    optimizer state (``state_dict`` is absent; :func:`consolidate_checkpoint` gathers them).
+    optimizer state (``state_dict`` is absent; :func:`consolidate_checkpoint` gathers them). Its
+    ``.metadata`` is read too, by the allow-listing :class:`MetadataUnpickler`, so that a crafted
+    one is refused here, before anything else reads the directory.
     """
     path = Path(path)
     if is_sharded_checkpoint(path):
-        missing = [n for n in (SHARDED_META, ".metadata") if not (path / n).is_file()]
+        missing = [n for n in (SHARDED_META, DCP_METADATA) if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {str(path)!r} is a directory without "
                                   f"{' and '.join(missing)}: not a complete sharded checkpoint; "
                                   f"use an older checkpoint from {str(path.parent)!r}")
-        checkpoint = _torch_load(path / SHARDED_META, str(path), map_location, mmap)
+        read_dcp_metadata(path)
+        checkpoint = _torch_load(path / SHARDED_META, str(path / SHARDED_META), path,
+                                 map_location, mmap)
         required: tuple[str, ...] = ("pytorch-lightning_version",)
     elif not path.is_file():
         near = sorted(p.name for p in path.parent.glob("*.ckpt")
@@ -159,13 +422,23 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu",
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist"
                                 + (f"; in that directory: {', '.join(near)}" if near else ""))
     else:
-        checkpoint = _torch_load(path, str(path), map_location, mmap)
+        checkpoint = _torch_load(path, str(path), path, map_location, mmap)
         required = ("state_dict", "pytorch-lightning_version")
     if not isinstance(checkpoint, dict) or not all(k in checkpoint for k in required):
         keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (needs "
                               f"{' and '.join(required)}; found {keys})")
     return checkpoint
+
+
+def recorded_config(checkpoint: dict[str, Any], path: str | os.PathLike) -> Optional[GPTConfig]:
+    """The model config a checkpoint records (``hyper_parameters['config']``, else
+    ``fp8_lightning['config']``), or None; a field this version does not know is one error."""
+    config = (checkpoint.get("hyper_parameters") or {}).get("config") or \
+        (checkpoint.get("fp8_lightning") or {}).get("config")
+    if not isinstance(config, dict):
+        return None
+    return GPTConfig.from_dict(config, f"model config recorded in checkpoint {str(path)!r}")
 
 
 def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -180,15 +453,24 @@ def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -
     meta = load_checkpoint_file(path, map_location=map_location)  # validates; all of a file
     if not is_sharded_checkpoint(path):
         return meta
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    # As lightning.fabric.utilities.load._load_distributed_checkpoint, with the allow-listed
+    # reader and planner (and meta.pt as already read above, weights_only).
+    checkpoint: dict[str, Any] = {}
+    reader = SafeFileSystemReader(path)
     try:
-        checkpoint = _load_distributed_checkpoint(path)
+        _load_state_dict(checkpoint, storage_reader=reader,
+                         planner=_SafeEmptyStateDictLoadPlanner(path), no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - many types for torn shards
+        failure = _dcp_failure(err, reader)
+        if isinstance(failure, CheckpointError):
+            raise failure from None
         raise CheckpointError(f"checkpoint {str(path)!r}: its shards could not be read "
-                              f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})"
-                              ) from None
+                              f"({type(failure).__name__}: "
+                              f"{str(failure).strip().splitlines()[0][:200]})") from None
+    checkpoint.update(meta)
     optimizers = sorted((k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)),
                         key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizers]
@@ -289,6 +571,8 @@ class Checkpoint(ModelCheckpoint):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: make writes atomic
             strategy.checkpoint_io = AtomicCheckpointIO()
         super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero:  # a SIGKILL mid-write leaves its temporary behind
+            remove_stale_temporaries(self.dirpath)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
@@ -350,20 +634,25 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def describe_checkpoint(path: Path) -> dict[str, Any]:
-    """One row for ``checkpoints``: step, tokens, val loss, precision, size (or the error)."""
+def describe_checkpoint(path: Path, strict: bool = False) -> dict[str, Any]:
+    """One row for ``checkpoints``: step, tokens, val loss (and the step it was measured at),
+    precision, size; or the error (raised where ``strict``)."""
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
         else path.stat().st_size
     row: dict[str, Any] = {"file": path.name + ("/" if path.is_dir() else ""), "size": size}
     try:
         ckpt = load_checkpoint_file(path, mmap=True)
     except (CheckpointError, FileNotFoundError) as err:
-        row["error"] = str(err).split(" is ", 1)[-1] if " is " in str(err) else str(err)
+        if strict:
+            raise
+        # "checkpoint 'PATH' is truncated ..." -> "truncated ..." (errors naming a file inside a
+        # sharded checkpoint keep its name)
+        row["error"] = re.sub(f"^checkpoint {re.escape(repr(str(path)))} (is )?", "", str(err))
         return row
     meta = ckpt.get("fp8_lightning", {})
     row.update(step=ckpt.get("global_step"), tokens=ckpt.get("tokens_seen"),
-               val_loss=meta.get("val_loss"), precision=meta.get("precision", "?"),
-               model=meta.get("config", {}).get("name", "?"))
+               val_loss=meta.get("val_loss"), val_step=meta.get("val_step"),
+               precision=meta.get("precision", "?"), model=meta.get("config", {}).get("name", "?"))
     return row
 
 
@@ -384,6 +673,8 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
             lines.append((r["file"], "-", "-", "-", f"UNREADABLE: {r['error']}", "-", _human(r["size"])))
             continue
         val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        if r["val_loss"] is not None and r.get("val_step") != r["step"]:  # an older validation's
+            val += f" @step {'?' if r.get('val_step') is None else r['val_step']}"
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
         lines.append((r["file"], str(r["step"]), tokens, val, r["precision"], r["model"],
                       _human(r["size"])))
@@ -396,16 +687,76 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
 def checkpoints(directory: str) -> None:
     """List the checkpoints in DIRECTORY: step, tokens seen, validation loss, precision, size.
 
+    The validation loss is the last one measured before the checkpoint was written. Where that
+    validation ran at an earlier step than the checkpoint's (``last.ckpt`` is written after
+    further training steps), the step it measured is shown with it: ``3.2100 @step 100`` (``@step
+    ?``: a checkpoint from a version that did not record it). Unreadable checkpoints are listed
+    with the reason.
+
     Args:
-        directory: a checkpoint directory (e.g. runs/quickstart/checkpoints) or a run root that
-            contains one.
+        directory: a checkpoint directory (e.g. runs/quickstart/checkpoints), a run root that
+            contains one, or one checkpoint (a file or a sharded checkpoint's directory; an
+            unreadable one is then an error).
     """
     root = Path(directory)
+    if root.is_file() or (root / SHARDED_META).exists() or (root / DCP_METADATA).exists():
+        print(format_checkpoints([describe_checkpoint(root, strict=True)]))
+        return
     if root.is_dir() and not any(root.glob("*.ckpt")) and (root / "checkpoints").is_dir():
         root = root / "checkpoints"
     rows = list_checkpoints(str(root))
     print(f"{root}:")
     print(format_checkpoints(rows))
+
+
+def configured_checkpoint_dir(trainer: Any) -> Optional[str]:
+    """Where the :class:`Checkpoint` callback of a trainer config (LightningCLI's parsed
+    ``trainer`` namespace) writes: its ``dirpath``, else ``<default_root_dir>/checkpoints``; None
+    when the config has no such callback."""
+    import importlib
+
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        module, _, name = str(getattr(callback, "class_path", "")).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, Checkpoint):
+            dirpath = (callback.get("init_args") or {}).get("dirpath")
+            return dirpath or os.path.join(trainer.get("default_root_dir") or os.getcwd(),
+                                           "checkpoints")
+    return None
+
+
+def find_checkpoint(which: str, directory: str | os.PathLike) -> str:
+    """The checkpoint that ``--ckpt_path last`` or ``best`` names in ``directory`` (the
+    :class:`Checkpoint` callback's), or one :class:`CheckpointError` saying there is none.
+
+    ``last``: the newest ``last*.ckpt`` (as Lightning picks it). ``best``: the lowest validation
+    loss among the checkpoints whose loss was measured on their own weights (at their own step:
+    the best-k ones); unreadable checkpoints are never candidates.
+    """
+    root = Path(directory)
+    if which == "last":
+        found = list(root.glob("last*.ckpt"))  # (never a hidden .last.ckpt.tmp-PID)
+        if found:
+            return str(max(found, key=lambda p: p.stat().st_mtime))
+        wanted = "no last.ckpt to resume from"
+    elif which == "best":
+        rows = [r for r in (list_checkpoints(str(root)) if root.is_dir() else [])
+                if "error" not in r and r["val_loss"] is not None and r["val_step"] == r["step"]]
+        if rows:
+            return str(root / min(rows, key=lambda r: r["val_loss"])["file"].rstrip("/"))
+        wanted = "no checkpoint validated at its own step (a best-k checkpoint)"
+    else:
+        raise ValueError(f"find_checkpoint({which!r}): valid: last, best")
+    names = sorted(p.name for p in root.glob("*.ckpt")) if root.is_dir() else []
+    there = (f"it holds {', '.join(names)}" if names else "it holds no checkpoints") \
+        if root.is_dir() else "it does not exist"
+    raise CheckpointError(f"--ckpt_path {which}: {wanted} in {str(root)!r} ({there}); start "
+                          "without --ckpt_path, or set --trainer.default_root_dir to the root "
+                          "of the run whose checkpoints you mean")
 
 
 def checkpoint_versions() -> dict[str, str]:

@@ -25,7 +25,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from .bench import bench
-from .checkpoint import CheckpointError, checkpoints, consolidate, load_checkpoint_file
+from .checkpoint import (CheckpointError, checkpoints, configured_checkpoint_dir, consolidate,
+                         find_checkpoint, load_checkpoint_file, recorded_config)
 from .config import ConfigError, UsageError
 from .data import TokenShardDataModule, prepare
 from .fp8 import REMOVED_KEYS, FP8UnavailableError
@@ -100,11 +101,19 @@ class FP8LightningCLI(LightningCLI):
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
         # replacing what the user set. Here the config decides; a model that does not match the
         # checkpoint is one error naming the fields (GPTLightningModule.on_load_checkpoint), and
-        # a missing, truncated or foreign file is one error naming the path.
+        # a missing, truncated or foreign file (or a recorded model field this version does not
+        # know) is one error naming the path. The allow-listing loaders read it here, before
+        # anything else touches it: no code runs from a crafted checkpoint.
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        config = self.config[subcommand] if subcommand else {}
+        ckpt_path = config.get("ckpt_path")
+        directory = configured_checkpoint_dir(config.trainer) if ckpt_path else None
+        if ckpt_path in ("last", "best") and directory:
+            # The file they name, or an error: Lightning would train from scratch where there is
+            # no last checkpoint, and never knows a best one in a new process.
+            ckpt_path = config["ckpt_path"] = find_checkpoint(ckpt_path, directory)
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
-            load_checkpoint_file(ckpt_path, mmap=True)
+            recorded_config(load_checkpoint_file(ckpt_path, mmap=True), ckpt_path)
 
     @override
     def before_instantiate_classes(self) -> None:

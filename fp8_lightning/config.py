@@ -123,6 +123,18 @@ class GPTConfig:
     def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
         return cls(name=name, **overrides)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "model config") -> "GPTConfig":
+        """``GPTConfig(**values)`` for a recorded config (a checkpoint's): fields this version does
+        not know are one ``ConfigError`` naming them and the valid ones, not a ``TypeError``."""
+        known = [f.name for f in fields(cls)]
+        unknown = [str(k) for k in values if k not in known]
+        if unknown:
+            raise ConfigError([f"{', '.join(unknown)}: not a field of this version's GPTConfig "
+                               "(written by another version of fp8-lightning?); valid fields: "
+                               + ", ".join(known)], where)
+        return cls(**values)
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head

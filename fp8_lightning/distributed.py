@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from .checkpoint import publish_directory
+from .checkpoint import load_checkpoint_file, publish_directory, safe_lightning_dcp_loads
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,17 @@ class FSDP2Strategy(ModelParallelStrategy):
                                "TransformerEngine layers: TE fails in backward with fp32 gathers "
                                "under FSDP2 (seen with TE 2.20); use param_dtype: bfloat16"],
                               "trainer.strategy")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None
+                        ) -> dict[str, Any]:
+        # No code runs from a checkpoint: its meta.pt and .metadata are checked by the allow-listing
+        # loaders first (one clear error), then Lightning reads the shards through the safe DCP
+        # reader and planner, and the files with weights_only=True.
+        path = Path(self.broadcast(str(checkpoint_path)))
+        load_checkpoint_file(path, mmap=True)
+        with safe_lightning_dcp_loads():
+            return super().load_checkpoint(path, weights_only=True)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,

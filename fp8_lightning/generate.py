@@ -14,8 +14,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .checkpoint import consolidate_checkpoint
-from .config import ConfigError, GPTConfig
+from .checkpoint import consolidate_checkpoint, recorded_config
+from .config import ConfigError
 from .model import GPT
 
 
@@ -24,9 +24,7 @@ def load_checkpoint(ckpt: str) -> dict[str, Any]:
     also carries a model config; a sharded (FSDP) checkpoint directory is gathered in memory."""
     path = Path(ckpt).expanduser()
     checkpoint = consolidate_checkpoint(path)  # a CheckpointError names the file and why
-    config = (checkpoint.get("hyper_parameters") or {}).get("config") or \
-        (checkpoint.get("fp8_lightning") or {}).get("config")
-    if not isinstance(config, dict):
+    if recorded_config(checkpoint, path) is None:
         raise ConfigError([f"{path} has no model config (hyper_parameters['config']): not an "
                            "fp8-lightning checkpoint"], "checkpoint")
     return checkpoint
@@ -56,7 +54,7 @@ def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
         raise ConfigError([f"backend='te' needs TransformerEngine on a GPU ({reason}); use "
                            "backend=torch (checkpoints of both backends load into it)"], "generate")
     hp = checkpoint.get("hyper_parameters") or {}
-    config = GPTConfig(**(hp.get("config") or checkpoint["fp8_lightning"]["config"]))
+    config = recorded_config(checkpoint, ckpt)
     attention = hp.get("attention", "sdpa") if backend == "te" else "sdpa"
     torch_device = torch.device(device)
     if backend == "te" and torch_device.index is not None:

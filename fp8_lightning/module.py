@@ -70,7 +70,7 @@ class GPTLightningModule(L.LightningModule):
         if config is None:
             config = GPTConfig()
         elif isinstance(config, dict):  # from a checkpoint's hyperparameters
-            config = GPTConfig(**config)
+            config = GPTConfig.from_dict(config, "model.config (the checkpoint's hyperparameters)")
         self.config = config
         problems = []
         if not learning_rate > 0:
@@ -99,6 +99,7 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen = 0
         self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         self.val_loss = MeanMetric()
+        self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
 
     @override
     def configure_model(self) -> None:
@@ -183,6 +184,8 @@ class GPTLightningModule(L.LightningModule):
         # so sync_dist's mean leaves it unchanged (and keeps Lightning from warning).
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.val_step = self.trainer.global_step
 
     @override
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -249,12 +252,15 @@ class GPTLightningModule(L.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The last validation's loss and the step it measured: a checkpoint written after more
+        # training steps (last.ckpt) records an older val_loss, and says so (`checkpoints`).
         val_loss = self.trainer.callback_metrics.get("val/loss")
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["fp8_lightning"] = {
             "backend": self.backend_name, "config": self.config.to_dict(),
             "precision": self.effective_precision(), "versions": checkpoint_versions(),
-            "val_loss": None if val_loss is None else float(val_loss), "rng": rng_state()}
+            "val_loss": None if val_loss is None else float(val_loss),
+            "val_step": None if val_loss is None else self.val_step, "rng": rng_state()}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -272,6 +278,9 @@ class GPTLightningModule(L.LightningModule):
 def check_same_model(saved: dict[str, Any], config: GPTConfig) -> None:
     """One error listing every model field where this run differs from the checkpoint."""
     current = config.to_dict()
+    unknown = [k for k in saved if k not in current]
+    if unknown:  # not "model.config.X=None but ...": this version has no such field
+        GPTConfig.from_dict(saved, "model config recorded in the checkpoint")
     problems = [f"model.config.{k}={current.get(k)!r} but the checkpoint was trained with "
                 f"{k}={v!r}" for k, v in saved.items() if k != "name" and current.get(k) != v]
     if problems:

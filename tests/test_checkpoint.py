@@ -1,6 +1,11 @@
 """Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
 
+import errno
+import io
 import json
+import logging
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,12 +13,17 @@ import textwrap
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, list_checkpoints,
-                                      load_checkpoint_file)
+import fp8_lightning.checkpoint as checkpoint_module
+from fp8_lightning.checkpoint import (AtomicCheckpointIO, Checkpoint, CheckpointError,
+                                      atomic_torch_save, find_checkpoint, format_checkpoints,
+                                      list_checkpoints, load_checkpoint_file,
+                                      remove_stale_temporaries)
 from fp8_lightning.cli import main
+from fp8_lightning.config import ConfigError, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +83,8 @@ def test_checkpoint_files_and_what_they_record(short_run):
     assert meta["precision"] == "bf16" and meta["config"]["name"] == "tiny"
     assert set(meta["versions"]) == {"torch", "lightning", "transformer_engine"}
     assert meta["val_loss"] > 0 and last["tokens_seen"] == 10 * 4 * 128
+    assert meta["val_step"] == 8  # the last validation ran at step 8, before steps 9 and 10
+    assert load_checkpoint_file(short_run / best[0])["fp8_lightning"]["val_step"] == 8
     assert last["FP8Precision"]["recipe"]["recipe"] == "delayed"
     assert last["FP8Precision"]["history"][0]["event"] == "unavailable"
     loader = last["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
@@ -86,6 +98,9 @@ def test_checkpoints_command_lists_step_tokens_loss_precision_size(short_run, ca
     out = capsys.readouterr().out
     last = next(line for line in out.splitlines() if line.startswith("last.ckpt"))
     assert "10" in last and "5,120" in last and "bf16" in last and "tiny" in last
+    assert re.search(r"\d\.\d{4} @step 8 ", last)  # the val loss of step 8, not of step 10
+    best = next(line for line in out.splitlines() if line.startswith("best-"))
+    assert re.search(r"\d\.\d{4} ", best) and "@step" not in best  # measured on its own weights
     assert "MB" in last or "KB" in last
     assert "broken.ckpt" in out and "UNREADABLE: truncated or corrupt" in out
     rows = list_checkpoints(str(short_run))
@@ -128,6 +143,160 @@ def test_load_checkpoint_file_rejects_pickles(tmp_path):
                tmp_path / "pickle.ckpt")
     with pytest.raises(CheckpointError, match="pathlib.*refusing to unpickle"):
         load_checkpoint_file(tmp_path / "pickle.ckpt")
+
+
+# ------------------------------------------------------------------- bad input, one error line
+def small_checkpoint(path, step=0, val_loss=None, val_step=None, **config_fields):
+    """A checkpoint as fit writes it, without weights (enough for everything before loading)."""
+    config = dict(GPTConfig(name="tiny").to_dict(), **config_fields)
+    atomic_torch_save({"state_dict": {}, "pytorch-lightning_version": "2.6.0", "global_step": step,
+                       "tokens_seen": 0, "hyper_parameters": {"config": config},
+                       "fp8_lightning": {"config": config, "precision": "bf16",
+                                         "val_loss": val_loss, "val_step": val_step}}, path)
+    return path
+
+
+def cli_error(capsys, *argv):
+    """The message of ``python -m fp8_lightning ARGV`` (run in this process), which must fail
+    with exit status 2 and one ``error:`` line, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    err = capsys.readouterr().err
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    return err[err.index(error_lines[0]):]
+
+
+QUICKSTART = ("--config", "configs/quickstart.yaml")
+
+
+def test_a_recorded_config_field_this_version_does_not_know_is_one_error(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(ROOT)
+    future = small_checkpoint(tmp_path / "future.ckpt", moe_experts=8)
+    for argv in (["generate", "--ckpt", str(future), "--device", "cpu"],
+                 ["fit", *QUICKSTART, "--trainer.default_root_dir", str(tmp_path / "run"),
+                  "--ckpt_path", str(future)]):
+        message = cli_error(capsys, *argv)
+        assert str(future) in message, message
+        assert "moe_experts: not a field of this version's GPTConfig" in message
+        assert "valid fields: name, vocab_size, block_size" in message
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    # Python API: a module rebuilt from the checkpoint's hyperparameters, a resume's model check
+    from fp8_lightning.module import GPTLightningModule, check_same_model
+
+    config = torch.load(future, weights_only=True)["hyper_parameters"]["config"]
+    with pytest.raises(ConfigError, match="moe_experts: not a field"):
+        GPTLightningModule(config=config, backend="torch")
+    with pytest.raises(ConfigError, match="moe_experts: not a field"):
+        check_same_model(config, GPTConfig(name="tiny"))
+
+
+def test_ckpt_path_last_or_best_with_nothing_there_is_an_error_not_a_fresh_start(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    message = cli_error(capsys, "fit", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "last")
+    assert f"--ckpt_path last: no last.ckpt to resume from in {str(run / 'checkpoints')!r} " \
+           "(it does not exist)" in message, message
+    small_checkpoint(run / "checkpoints" / "last.ckpt", step=10, val_loss=2.0, val_step=8)
+    message = cli_error(capsys, "validate", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "best")
+    assert "--ckpt_path best: no checkpoint validated at its own step" in message
+    assert "it holds last.ckpt" in message
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "last.ckpt"]  # no training
+    # `best` names the best-k checkpoint, which is then checked like any other
+    small_checkpoint(run / "checkpoints" / "best-step0000008.ckpt", step=8, val_loss=2.0,
+                     val_step=8, moe_experts=8)
+    message = cli_error(capsys, "validate", *QUICKSTART, "--trainer.default_root_dir", str(run),
+                        "--ckpt_path", "best")
+    assert str(run / "checkpoints" / "best-step0000008.ckpt") in message and "moe_experts" in message
+
+
+def test_last_is_the_newest_last_checkpoint_and_best_the_lowest_loss_of_its_own_weights(tmp_path):
+    small_checkpoint(tmp_path / "last.ckpt", step=10, val_loss=1.5, val_step=8)
+    small_checkpoint(tmp_path / "last-v1.ckpt", step=12, val_loss=1.5, val_step=8)
+    os.utime(tmp_path / "last.ckpt", (time.time() - 60,) * 2)
+    small_checkpoint(tmp_path / "best-step0000004.ckpt", step=4, val_loss=2.5, val_step=4)
+    small_checkpoint(tmp_path / "best-step0000008.ckpt", step=8, val_loss=2.0, val_step=8)
+    small_checkpoint(tmp_path / "step-0000010.ckpt", step=10, val_loss=1.0, val_step=8)  # older val
+    (tmp_path / "best-broken.ckpt").write_bytes(b"not a checkpoint")
+    (tmp_path / ".last.ckpt.tmp-1").write_bytes(b"torn")
+    assert find_checkpoint("last", tmp_path) == str(tmp_path / "last-v1.ckpt")
+    assert find_checkpoint("best", tmp_path) == str(tmp_path / "best-step0000008.ckpt")
+
+
+def test_checkpoints_shows_a_val_loss_measured_at_an_earlier_step_with_that_step():
+    row = {"file": "last.ckpt", "step": 120, "tokens": 1, "val_loss": 3.21, "precision": "bf16",
+           "model": "tiny", "size": 1}
+    assert " 3.2100 @step 100 " in format_checkpoints([dict(row, val_step=100)])
+    assert " 3.2100 " in format_checkpoints([dict(row, val_step=120)])
+    assert "@step" not in format_checkpoints([dict(row, val_step=120)])
+    assert " 3.2100 @step ? " in format_checkpoints([dict(row, val_step=None)])  # older version
+
+
+def test_disk_full_while_writing_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    small_checkpoint(target, step=1)
+    before = target.read_bytes()
+
+    class FullDisk(io.FileIO):  # the filesystem fills up after 64 KB of the new checkpoint
+        written = 0
+
+        def write(self, data):
+            FullDisk.written += len(data)
+            if FullDisk.written > 65536:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    monkeypatch.setattr(checkpoint_module, "open", FullDisk, raising=False)
+    big = {"state_dict": {"w": torch.ones(256, 1024)}, "pytorch-lightning_version": "2.6.0"}
+    with pytest.raises(CheckpointError, match=rf"^could not write checkpoint "
+                                              rf"{re.escape(repr(str(target)))}: no space left on "
+                                              r"device \(.* free there\); last.ckpt was left as"):
+        AtomicCheckpointIO().save_checkpoint(big, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temporary is gone
+    monkeypatch.undo()
+
+    def failing_save(obj, f):  # torch's own report of a failed write, without an OSError
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                           "failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(CheckpointError, match=r"PytorchStreamWriter failed writing file data/0: "
+                                              r"file write failed \("):
+        atomic_torch_save(big, target)
+    assert target.read_bytes() == before and len(list(tmp_path.iterdir())) == 1
+
+
+def test_temporaries_of_killed_writes_are_removed_when_checkpointing_starts(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        (directory / name).write_bytes(b"complete")
+    (directory / f".last.ckpt.tmp-{dead.pid}").write_bytes(b"torn")  # a single-file write
+    (directory / f".best.ckpt.tmp-{dead.pid}").mkdir()  # a sharded write
+    (directory / f".best.ckpt.tmp-{dead.pid}" / "__0_0.distcp").write_bytes(b"torn")
+    (directory / f".last.ckpt.tmp-{os.getpid()}").write_bytes(b"being written")  # running: kept
+    (directory / f".first.ckpt.tmp-{dead.pid}").write_bytes(b"?")  # first.ckpt missing: kept
+
+    trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint()], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="fp8_lightning.checkpoint"):
+        trainer.checkpoint_callback.setup(trainer, L.LightningModule(), "fit")
+
+    assert sorted(p.name for p in directory.iterdir()) == [
+        f".first.ckpt.tmp-{dead.pid}", f".last.ckpt.tmp-{os.getpid()}", "best.ckpt", "last.ckpt"]
+    (removed,) = [r.message for r in caplog.records if "removed" in r.message]
+    assert f"removed 2 temporaries left by killed writes in {directory}" in removed
+    (kept,) = [r.message for r in caplog.records if r.levelno == logging.WARNING
+               and "kept" in r.message]
+    assert f".first.ckpt.tmp-{dead.pid}" in kept and "may be the only copy" in kept
+    assert remove_stale_temporaries(directory) == []  # nothing left to do
 
 
 # ------------------------------------------------------------------------------ exact resume
