@@ -16,7 +16,7 @@ import logging
 import re
 import signal
 import sys
-import warnings
+import typing
 from typing import Any, Callable, Optional, Union
 
 from jsonargparse import Namespace
@@ -55,17 +55,38 @@ def short_parser_message(message: str) -> str:
         kind = ("one of " + literal.group(1).replace("'", "")) if literal else \
             re.sub(r"<class '(\w+)'>", r"\1", kind)
         return f"{keys[-1]}={value.strip()!r}: expected {kind}"
-    if keys and nested:
-        return f"{keys[0]}.init_args.{nested[-1][0]}={nested[-1][1]!r} is not valid"
     unknown = re.findall(r"Option '(\w+)' is not accepted", message)
-    classes = re.findall(r"'class_path': '([\w.]+)'", message)
-    if keys and unknown:
-        owner = f" of {classes[-1].rsplit('.', 1)[-1]}" if classes else ""
-        removed = REMOVED_KEYS.get(unknown[-1])
-        return (f"{keys[0]}: {unknown[-1]!r} is not an option{owner}"
-                + (f" ({removed})" if removed else ""))
+    classes = re.findall(r"class_path(?:': |=| )'([\w.]+)'", message)
+    if keys and (nested or unknown):
+        key, value = nested[-1] if nested else (unknown[-1], None)
+        cls = next((c for c in map(_import_class, classes) if c is not None and key in
+                    inspect.signature(c).parameters), _import_class(classes[0]) if classes else None)
+        params = inspect.signature(cls).parameters if cls else {}
+        if key in params:  # an option of the class: its value is wrong
+            literals = _literals(typing.get_type_hints(cls.__init__).get(key))
+            hint = f": expected one of {', '.join(literals)}" if literals else " is not valid"
+            return f"{keys[0]}.init_args.{key}={value!r}{hint}"
+        owner = f" of {cls.__name__}" if cls else ""
+        removed = REMOVED_KEYS.get(key)
+        return f"{keys[0]}: {key!r} is not an option{owner}" + (f" ({removed})" if removed else "")
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return "; ".join(lines[:3])
+
+
+def _literals(hint: Any) -> list[str]:
+    """The string values a ``Literal`` (or an ``Optional`` of one) allows."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return [a for a in args if isinstance(a, str)]
+    return [v for a in args for v in _literals(a)]
+
+
+def _import_class(path: str) -> Optional[type]:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -128,8 +149,10 @@ class FP8LightningCLI(LightningCLI):
             for item in items if isinstance(items, list) else [items]:
                 if isinstance(item, Namespace) and str(item.get("class_path", "")).startswith(
                         "fp8_lightning."):
-                    module, _, name = item.class_path.rpartition(".")
-                    cls = getattr(importlib.import_module(module), name)
+                    cls = _import_class(item.class_path)
+                    if cls is None:  # jsonargparse names the unknown class
+                        continue
+                    name = cls.__name__
                     try:
                         cls(**(item.get("init_args") or Namespace()).as_dict())
                     except (ValueError, TypeError) as err:

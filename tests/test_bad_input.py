@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from _runs import short_fit
+from test_security import craft
 from fp8_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +159,20 @@ SHARDED = [
     ("sharded-without-metadata", ["consolidate", "{tmp}/no_metadata.ckpt"], "without .metadata"),
     ("sharded-without-meta", ["consolidate", "{tmp}/no_meta.ckpt"], "without meta.pt"),
 ]
+PICKLES = [  # a crafted .metadata in a sharded checkpoint: refused before anything unpickles it
+    ("pickle-consolidate", ["consolidate", "{tmp}/crafted.ckpt"], "crafted.ckpt/.metadata"),
+    ("pickle-generate", ["generate", "--ckpt", "{tmp}/crafted.ckpt"], "crafted.ckpt/.metadata"),
+    ("pickle-fit", fit("--ckpt_path", "{tmp}/crafted.ckpt"), "crafted.ckpt/.metadata"),
+    ("pickle-validate", ["validate", "--config", "configs/quickstart.yaml", "--ckpt_path",
+                         "{tmp}/crafted.ckpt"], "crafted.ckpt/.metadata"),
+    ("pickle-fit-last", ["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir",
+                         "{tmp}/crafted_run", "--ckpt_path", "last"], "last.ckpt/.metadata"),
+    ("pickle-checkpoints", ["checkpoints", "{tmp}/crafted.ckpt"], "crafted.ckpt/.metadata"),
+    ("pickle-single-file", ["generate", "--ckpt", "{tmp}/evil.ckpt"], "evil.ckpt'"),
+    ("unknown-config-field", ["generate", "--ckpt", "{tmp}/future.ckpt"], "future_field"),
+    ("resume-last-nothing", fit("--ckpt_path", "last"), "--ckpt_path last: no last.ckpt to resume from in"),
+    ("resume-best-nothing", fit("--ckpt_path", "best"), "best"),
+]
 GENERATE = [
     ("generate-missing", ["generate", "--ckpt", "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
     ("generate-tokens-negative", ["generate", "--ckpt", "{ckpt}", "--max_new_tokens", "-1"], "max_new_tokens=-1"),
@@ -184,7 +199,8 @@ TOOLS = [
     ("bench-unknown-option", ["bench", "--variant", "fp8-delayed"], "--variant"),
     ("doctor-unknown-option", ["doctor", "--confg", "x"], "--confg"),
 ]
-TABLE = CONFIG + FP8_FIELDS + CALLBACKS + DIMS + DATA + PREPARE + CHECKPOINTS + SHARDED + GENERATE + COMPARE + TOOLS
+TABLE = (CONFIG + FP8_FIELDS + CALLBACKS + DIMS + DATA + PREPARE + CHECKPOINTS + SHARDED + PICKLES
+         + GENERATE + COMPARE + TOOLS)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -229,6 +245,13 @@ def files(tmp_path_factory, run):
             torch.save({"pytorch-lightning_version": "2.6.6", "global_step": 1}, tmp / name / "meta.pt")
         if ".metadata" in keep:
             (tmp / name / ".metadata").write_bytes(b"not a pickle")
+    crafted = tmp / "crafted.ckpt"
+    craft(".metadata", crafted, tmp / "PWNED")
+    (tmp / "crafted_run" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(crafted, tmp / "crafted_run" / "checkpoints" / "last.ckpt")
+    future = torch.load(ckpt, weights_only=True)
+    future["hyper_parameters"]["config"]["future_field"] = 1
+    torch.save(future, tmp / "future.ckpt")
     return tmp, ckpt
 
 
