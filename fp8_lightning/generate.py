@@ -101,11 +101,20 @@ def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature
     if problems:
         raise ConfigError(problems, "generate")
     model, checkpoint, torch_device = load_model(ckpt, device=device, backend=backend)
-    name = tokenizer or (checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer") or "gpt2"
+    # The tokenizer the model was trained with (recorded in the checkpoint); GPT-2 BPE only for
+    # checkpoints from before it was recorded. Decoding with another one prints garbage.
+    recorded = (checkpoint.get("fp8_lightning") or {}).get("tokenizer") or \
+        (checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    name = tokenizer or recorded or "gpt2"
     try:
         tok = get_tokenizer(name)
     except ValueError as err:
-        raise ConfigError([str(err)], "generate") from None
+        detail = "; ".join(getattr(err, "problems", [str(err)]))
+        if tokenizer is None and recorded:
+            raise ConfigError([f"the checkpoint was trained with tokenizer {recorded!r}, which "
+                               f"cannot be loaded here ({detail}); pass --tokenizer PATH to that "
+                               "tokenizer.json"], "generate") from None
+        raise ConfigError([detail], "generate") from None
     ids = tok.encode(prompt) if prompt else [tok.eot_id]
     if max(ids) >= model.config.vocab_size:
         raise ConfigError([f"tokenizer {name!r} produced id {max(ids)} but the model's vocab_size "

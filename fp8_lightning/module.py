@@ -260,7 +260,15 @@ class GPTLightningModule(L.LightningModule):
             "backend": self.backend_name, "config": self.config.to_dict(),
             "precision": self.effective_precision(), "versions": checkpoint_versions(),
             "val_loss": None if val_loss is None else float(val_loss),
-            "val_step": None if val_loss is None else self.val_step, "rng": rng_state()}
+            "val_step": None if val_loss is None else self.val_step, "rng": rng_state(),
+            "tokenizer": self._tokenizer()}
+
+    def _tokenizer(self) -> Optional[str]:
+        """The tokenizer the training data was prepared with (``gpt2`` or a tokenizer.json path):
+        what ``generate`` must decode with. The dataset's meta.json says; else the data module."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        meta = getattr(datamodule, "meta", None) or {}
+        return meta.get("tokenizer") or getattr(datamodule, "tokenizer", None)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -216,7 +216,7 @@ class Evil:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out, _ = short_fit(tmp_path_factory, "quickstart")
+    out, _ = short_fit(tmp_path_factory, "run_a")
     return out
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 from _runs import run_cli, short_fit
 
+from fp8_lightning.checkpoint import CheckpointError
 from fp8_lightning.config import ConfigError
 from fp8_lightning.generate import generate
 
@@ -57,10 +58,24 @@ def test_generate_errors_are_one_clear_line(ckpt, tmp_path):
     assert "Traceback" not in result.stderr
     broken = tmp_path / "broken.ckpt"
     broken.write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+    with pytest.raises(CheckpointError, match="broken.ckpt' holds a pickled object other than"):
         generate(str(broken))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="backend='te' needs TransformerEngine on a GPU"):
             generate(str(ckpt), backend="te")
     with pytest.raises(ConfigError, match="temperature=-1"):
         generate(str(ckpt), temperature=-1)
+
+
+def test_generate_decodes_with_the_tokenizer_the_checkpoint_was_trained_with(ckpt, tmp_path):
+    """The checkpoint records the training data's tokenizer and generate uses it: a checkpoint
+    trained with another tokenizer is never decoded as GPT-2 BPE (garbage with exit 0)."""
+    checkpoint = torch.load(ckpt, weights_only=True)
+    assert checkpoint["fp8_lightning"]["tokenizer"] == "gpt2"  # the embedded corpus's
+    checkpoint["fp8_lightning"]["tokenizer"] = str(tmp_path / "llama" / "tokenizer.json")
+    other = tmp_path / "other.ckpt"
+    torch.save(checkpoint, other)
+    with pytest.raises(ConfigError, match="(?s)trained with tokenizer .*llama/tokenizer.json.*--tokenizer"):
+        generate(str(other), prompt="ROMEO:", max_new_tokens=2)
+    # --tokenizer overrides what the checkpoint records
+    assert generate(str(other), prompt="ROMEO:", max_new_tokens=2, tokenizer="gpt2").startswith("ROMEO:")
