@@ -2,7 +2,8 @@
 
 Each variant trains the config's model for ``warmup + steps`` plain training steps (forward, fp32
 cross-entropy, backward, AdamW) on synthetic random tokens that are already on the device: data
-loading is excluded. Timing uses CUDA events around the ``steps`` timed steps (wall clock on CPU).
+loading is excluded. Timing uses CUDA events around the ``steps`` timed steps (``perf_counter``
+wall clock on a CPU, where MFU and peak memory are n/a).
 FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are against the baseline
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
@@ -46,7 +47,7 @@ from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
 from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, recipe_available
 from .model import GPT
-from .te_support import te_status, te_version
+from .te_support import cpu_has_native_bf16, te_status, te_version
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,19 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
     **{f"fp8-{r}": ("te", r, False) for r in RECIPES},
 }
 SUFFIXES = ("-bf16ends", "-te-attn")
-METHOD = ("synthetic random tokens already on the device (data loading excluded); per step: "
-          "forward, fp32 cross-entropy, backward, AdamW (fused on CUDA), zero_grad; fp32 master "
-          "weights with BF16 autocast; FP8 variants wrap the forward in te.autocast through "
-          "FP8Precision; timing: CUDA events over the timed steps after warm-up; FLOPs/token: "
-          "fp8_lightning.flops (6 * N_matmul + 12 * n_layer * seq * n_embd); MFU vs the dense "
-          "BF16 peak")
+
+
+def method(device: torch.device) -> str:
+    """How the figures were measured on ``device`` (the table's last line and ``bench.json``)."""
+    cuda = device.type == "cuda"
+    return ("synthetic random tokens already on the device (data loading excluded); per step: "
+            f"forward, fp32 cross-entropy, backward, AdamW{' (fused)' if cuda else ''}, zero_grad; "
+            "fp32 master weights with BF16 autocast; FP8 variants wrap the forward in te.autocast "
+            "through FP8Precision; timing: "
+            + ("CUDA events" if cuda else "wall clock (time.perf_counter) on the CPU")
+            + " over the timed steps after warm-up; FLOPs/token: fp8_lightning.flops (6 * N_matmul"
+            " + 12 * n_layer * seq * n_embd); MFU vs the dense BF16 peak"
+            + ("" if cuda else " (n/a on a CPU: no peak is known)"))
 
 
 # --------------------------------------------------------------------------------- run config
@@ -415,7 +423,12 @@ def environment(device: Optional[torch.device] = None) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- report
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"  # None: not measurable here
+
+
+def _fmt_tflops(value: float) -> str:
+    # Two significant digits below 1: a CPU's few GFLOP/s are not "0.00".
+    return f"{value:.2f}" if value >= 1 else f"{value:.2g}"
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -432,12 +445,14 @@ def format_table(report: dict[str, Any]) -> str:
             skipped.append(f"  {r['variant']}: {r['status']}: {r['reason']}")
             continue
         lines.append(f"{r['variant']:<26}{r['precision'][:21]:<22}{r['tokens_per_s']:>12,.0f}"
-                     f"{r['ms_per_step']:>10.2f}{r['tflops']:>9.2f}"
+                     f"{r['ms_per_step']:>10.2f}{_fmt_tflops(r['tflops']):>9}"
                      f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%'):>7}"
                      f"{_fmt(r['peak_mem_gib'], '.2f'):>9}{_fmt(r.get('speedup'), '.2f', 'x'):>9}")
     if skipped:
         lines += ["not run:", *skipped]
-    lines.append(f"method: {METHOD}")
+    if report.get("note"):
+        lines.append(f"note: {report['note']}")
+    lines.append(f"method: {report['method']}")
     return "\n".join(lines)
 
 
@@ -536,12 +551,15 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         log.warning("baseline %s did not run; speedups are vs %s", baseline, base)
     for r in ran.values():
         r["speedup"] = ran[base]["ms_per_step"] / r["ms_per_step"]
-    report = {"env": environment(device), "method": METHOD, "baseline": base,
+    report = {"env": environment(device), "method": method(device), "baseline": base,
               "setup": {"config": config, "model": model_config.name, "n_layer": model_config.n_layer,
                         "batch_size": batch_size, "seq_len": seq_len, "steps": steps,
                         "warmup": warmup, "flops_per_token": flops_per_token(model_config, seq_len),
                         "model_config": model_config.to_dict()},
               "results": results}
+    if device.type == "cpu" and ran and not cpu_has_native_bf16():
+        report["note"] = ("this CPU has no BF16 instructions: BF16 autocast runs emulated, several "
+                          "times slower than FP32 (what the FP8 plugin falls back to here)")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")

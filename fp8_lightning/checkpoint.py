@@ -598,6 +598,21 @@ class Checkpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        # SIGTERM (a scheduler's time limit, preemption; the CLI's first Ctrl-C too) stops
+        # between steps: Lightning raises SIGTERMException once a step has ended. Write that step
+        # as last.ckpt so `--ckpt_path last` resumes exactly there. Any other exception may have
+        # hit mid-step: ModelCheckpoint's rule (save_on_exception) applies.
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException):
+            return super().on_exception(trainer, pl_module, exception)
+        if (self.save_last and trainer.state.fn == "fit" and not trainer.sanity_checking
+                and not trainer.fast_dev_run and self._last_ckpt_step != trainer.global_step):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_ckpt_step = trainer.global_step

@@ -13,10 +13,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import re
 import signal
 import sys
 import typing
+from functools import partial
 from typing import Any, Callable, Optional, Union
 
 from jsonargparse import Namespace
@@ -177,15 +179,40 @@ class FP8LightningCLI(LightningCLI):
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:
+        ctrl_c: list = []
+        previous: Any = ()
+        if subcommand == "fit":
+            try:
+                previous = signal.signal(signal.SIGINT, partial(self._on_ctrl_c, ctrl_c, os.getpid()))
+            except ValueError:  # not the main thread: Ctrl-C stays a KeyboardInterrupt
+                pass
         try:
             super()._run_subcommand(subcommand)
-        except SystemExit as stop:
+        except SystemExit:
             # Lightning turns SIGTERM into SIGTERMException (a SystemExit with status 0) and
             # Ctrl-C into sys.exit(1), both after saving what its callbacks save: say so.
             if self.trainer.interrupted:
-                raise Interrupted(self.trainer, signal.SIGTERM if self.trainer.received_sigterm
-                                  else signal.SIGINT) from None
+                raise Interrupted(self.trainer, signal.SIGINT if ctrl_c or not
+                                  self.trainer.received_sigterm else signal.SIGTERM) from None
             raise
+        finally:
+            if previous != ():
+                signal.signal(signal.SIGINT, previous)
+
+    def _on_ctrl_c(self, seen: list, pid: int, *_: Any) -> None:
+        """A Ctrl-C while training stops as SIGTERM does: after the running step, saving it
+        (a KeyboardInterrupt can land mid optimizer step: the weights half updated). Another
+        Ctrl-C, or one outside the training loop, interrupts at once, saving nothing new."""
+        if os.getpid() != pid:  # a forked data-loader worker (a terminal signals them all)
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        seen.append(signal.SIGINT)
+        if not self.trainer.training:
+            raise KeyboardInterrupt
+        log.warning("Ctrl-C: stopping at the end of this step and saving it (Ctrl-C again to stop "
+                    "at once)")
+        # Lightning's own SIGTERM flag: its loops raise SIGTERMException at the end of the step.
+        self.trainer._signal_connector.received_sigterm = True
 
 
 class Interrupted(SystemExit):
@@ -194,7 +221,10 @@ class Interrupted(SystemExit):
     def __init__(self, trainer: Any, signum: int) -> None:
         super().__init__(128 + signum)
         last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        saved = getattr(trainer.checkpoint_callback, "_last_ckpt_step", None)
         where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
+        if last and saved is not None and saved != trainer.global_step:
+            where += f", from step {saved}"  # stopped at once (a second Ctrl-C): not this step
         self.message = (f"stopped by {signal.Signals(signum).name} at step {trainer.global_step} "
                         f"(before the end of the run); {where}. Resume with the same command and "
                         "--ckpt_path last")

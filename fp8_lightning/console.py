@@ -9,10 +9,13 @@ purpose). Each filter below names what it drops; everything else still shows.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 # Lightning's rank-zero INFO lines that advertise rather than inform.
 _ADVERTS = ("💡 Tip:", "Create an account on https://lightning.ai")
+# Lightning's INFO lines about accelerators this package never uses (regexes on the message).
+_NOT_APPLICABLE_INFO = (r"(TPU|HPU) available: False",)
 # Lightning warnings that do not apply to this package's runs (regexes on the message start).
 _NOT_APPLICABLE = (
     r"The '\w+_dataloader' does not have many workers",  # litdata's loader; workers are set
@@ -21,13 +24,53 @@ _NOT_APPLICABLE = (
     r"The number of training batches \(\d+\) is smaller than the logging interval",
     r"LightningCLI's args parameter is intended",  # main(argv) from Python (tests, notebooks)
     r"Precision .* is not supported by the model summary",
-    r".*is deprecated",
+    # Lightning's own use of a torch API (lightning/pytorch/utilities/_pytree.py): nothing to act on.
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # Lightning warns for any IterableDataset with __len__ and num_workers > 1; litdata's
+    # StreamingDataset gives each worker its own share, so its length is exact.
+    r"Your `IterableDataset` has `__len__` defined",
 )
 
 
+def _without_unknown_flops(summary: str) -> str:
+    """Lightning's model summary without its FLOPs column and ``0 Total Flops`` line.
+
+    It counts FLOPs only by running ``example_input_array``, which this package's module does not
+    set (a forward pass just for the table): the zeros are not a measurement. The monitor's tok/s
+    and MFU use the analytic FLOPs (fp8_lightning.flops).
+    """
+    lines = summary.split("\n")
+    if not any(re.fullmatch(r"0\s+Total Flops", line.strip()) for line in lines):
+        return summary
+    header = next(line for line in lines if " | " in line)
+    column = [cell.strip() for cell in header.split(" | ")].index("FLOPs")
+    out = []
+    for line in lines:
+        if re.fullmatch(r"0\s+Total Flops", line.strip()):
+            continue
+        if " | " in line:
+            cells = line.split(" | ")
+            del cells[column]
+            line = " | ".join(cells)
+        out.append(line)
+    width = max(len(line) for line in out if " | " in line)
+    return "\n".join("-" * width if line and set(line) == {"-"} else line for line in out)
+
+
 class _DropAdverts(logging.Filter):
+    """Drops adverts and lines about unused accelerators; rewrites the model summary's FLOPs."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).lstrip().startswith(_ADVERTS)
+        message = str(record.getMessage())
+        if message.lstrip().startswith(_ADVERTS) or any(
+                re.match(pattern, message.lstrip()) for pattern in _NOT_APPLICABLE_INFO):
+            return False
+        if "Total Flops" in message:
+            try:
+                record.msg, record.args = _without_unknown_flops(message), None
+            except (StopIteration, ValueError):  # another table layout: show it as it is
+                pass
+        return True
 
 
 def quiet_console() -> None:

@@ -282,6 +282,9 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
                 # worker: each run ordered the same data differently. A fixed in-order slice per
                 # worker, files in sorted order (not by size), makes the shards reproducible.
                 keep_data_ordered=True, reorder_files=False,
+                # litdata's own chatter (an account advert, worker start/stop lines, the temporary
+                # directory, progress bars) says nothing a user acts on; its errors still raise.
+                verbose=False,
             )
         train_tokens, train_chunks, train_blocks = _split_size(tmp / "train", block)
         val_tokens, val_chunks, val_blocks = _split_size(tmp / "val", block)

@@ -62,6 +62,14 @@ def driver_version() -> str:
     return "unknown (nvidia-smi not available)"
 
 
+def cudnn_text(version: int) -> str:
+    """``92400`` -> ``9.24.0`` (cuDNN 9 encodes major*10000 + minor*100 + patch, 8 major*1000 +
+    minor*100 + patch)."""
+    major = version // 10000 if version >= 90000 else version // 1000
+    minor = (version % 10000 if version >= 90000 else version % 1000) // 100
+    return f"{major}.{minor}.{version % 100}"
+
+
 def report_environment() -> dict[str, Any]:
     env = environment()
     try:
@@ -76,11 +84,17 @@ def report_environment() -> dict[str, Any]:
         if ok:
             env["te_cudnn_runtime"] = ".".join(map(str, te_module().get_cudnn_version()))
     _heading("Environment")
+    # torch.version.cuda and cuDNN's version are what torch was built with and ships, not a GPU.
+    gpu = "" if torch.cuda.is_available() else "; no CUDA GPU visible"
+    shown = dict(env, cuda=(f"torch built with CUDA {env['cuda']}" if env["cuda"]
+                            else "torch built without CUDA") + gpu)
+    if env["cudnn"]:
+        shown["cudnn"] = f"torch's cuDNN {cudnn_text(env['cudnn'])}{gpu}"
     for key in ("device", "compute_capability", "gpus", "gpu_memory_gib", "driver", "cuda",
                 "cudnn", "te_cudnn_runtime", "torch", "transformer_engine",
                 "transformer_engine_status", "python", "git_commit"):
-        if key in env:
-            _say(f"  {key}: {env[key]}")
+        if key in shown:
+            _say(f"  {key}: {shown[key]}")
     if not torch.cuda.is_available():
         _say(f"  no CUDA GPU is visible: the PyTorch backend trains in {fallback_precision()[1]}. {FP8_NEEDS}.")
     return env
@@ -513,7 +527,8 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
                 code = EXIT_FP8_UNUSABLE
                 verdict.append(f"FP8 {requested} is requested but CANNOT run here: {why}. " + (
                     "The run would stop (on_unavailable=error)." if run.fp8.get("on_unavailable") == "error"
-                    else "The run would fall back to BF16 (on_unavailable=fallback)."))
+                    else f"The run would fall back to {fallback_precision()[1]} "
+                         "(on_unavailable=fallback)."))
         if probe and available:
             report["probe"] = benefit_probe(run, result, available, reps=reps)
         elif probe:

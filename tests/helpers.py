@@ -45,6 +45,27 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalAt(Callback):
+    """Sends ``signal`` (``SIGTERM``, ``SIGINT``) ``times`` times while step ``step`` runs (at its
+    batch start), to its own process, or with ``group`` to its whole process group (as a
+    terminal's Ctrl-C or a scheduler does: the data-loader workers get it too; run the CLI in a
+    new session)."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM", group: bool = False,
+                 times: int = 1) -> None:
+        self.step, self.signal, self.group, self.times = step, signal, group, times
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step - 1:
+            signum = getattr(signal, self.signal)
+            for _ in range(self.times):
+                if self.group:
+                    os.killpg(os.getpgrp(), signum)
+                else:
+                    os.kill(os.getpid(), signum)
+
+
 from fp8_lightning.fp8 import FP8Precision  # noqa: E402
 
 

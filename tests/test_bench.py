@@ -57,6 +57,14 @@ def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
     for text in ("tok/s", "ms/step", "TFLOP/s", "MFU", "peak GiB", "speedup", "torch-eager", "not run:", "fp8-delayed: skipped: TransformerEngine",
                  "data loading excluded"):
         assert text in table, text
+    # On a CPU it says what it really timed, and what it cannot know is n/a, not a number.
+    assert "timing: wall clock (time.perf_counter) on the CPU" in table
+    assert "CUDA events" not in table and "fused" not in table
+    assert report["method"] in table and "CUDA events" not in report["method"]
+    (row,) = [line for line in table.splitlines() if line.startswith("torch-eager ")]
+    tflops, mfu, peak = row.split()[-4:-1]
+    assert (mfu, peak) == ("n/a", "n/a")
+    assert tflops != "0.00" and float(tflops) == pytest.approx(ran["torch-eager"]["tflops"], rel=0.05)
 
 
 def test_variant_names():

@@ -2,15 +2,18 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.doctor import (EXIT_BAD_CONFIG, EXIT_FP8_UNUSABLE, EXIT_OK, doctor,
-                                  model_gemms, predict, suggest)
+from fp8_lightning.doctor import (EXIT_BAD_CONFIG, EXIT_FP8_UNUSABLE, EXIT_OK, cudnn_text,
+                                  doctor, model_gemms, predict, suggest)
+from fp8_lightning.te_support import fallback_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +34,13 @@ def test_cli_fp8_requested_on_cpu_exits_1_with_the_reason(tmp_path):
     for section in ("Environment", "Attention backends", "FP8 per recipe", "Config lint", "Verdict"):
         assert f"== {section}" in out
     assert "torch: " in out and "no errors" in out
+    # torch's build, not a GPU: labelled as such, and the fallback named as what really runs.
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU visible" in out
+        assert re.search(r"^  cuda: torch built with(out)? CUDA", out, re.M)
+        assert not re.search(r"^  cuda: [\d.]+$", out, re.M), out
+        assert not re.search(r"^  cudnn: \d+$", out, re.M), out
+        assert f"would fall back to {fallback_precision()[1]}" in out
     report = json.loads((tmp_path / "d.json").read_text())
     assert report["exit_status"] == 1 and not report["recipes"]["delayed"]["available"]
 
@@ -109,3 +119,8 @@ def test_prediction_keeps_non_gemm_time_and_flags_slower_shapes():
     slow = predict(gemms, {"bf16": times["bf16"], "block": times["block"]}, step_ms=None)
     assert slow["speedup"]["block"] == pytest.approx(76 / (12 * 12 + 4))  # GEMM time only
     assert any("does not pay" in line for line in suggest(slow, {}))
+
+
+def test_cudnn_version_text():
+    assert cudnn_text(92400) == "9.24.0" and cudnn_text(90100) == "9.1.0"
+    assert cudnn_text(8902) == "8.9.2"

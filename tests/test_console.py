@@ -1,0 +1,69 @@
+"""What a user sees: the package's lines, and none of the libraries' noise (CPU, as a user runs it)."""
+
+import re
+
+from _runs import run_cli, short_fit
+from fp8_lightning.console import _without_unknown_flops
+
+# Lines that must never reach the console: adverts, litdata's worker chatter and progress bars,
+# warnings that do not apply to these runs, deprecations inside the libraries, Lightning's
+# FLOPs that were never counted, and lines about accelerators the package does not use.
+NOISE = ("Create an account", "💡 Tip", "lightning.ai", "Storing the files under",
+         "Setup started", "Setup finished", "Workers are", "Worker 0", "Worker 1",
+         "inferred the following", "Finished data processing", "start_method", "Progress:",
+         "TPU available", "HPU available", "is deprecated", "Your `IterableDataset` has `__len__`",
+         "does not have many workers", "persistent_workers", "Checkpoint directory",
+         "smaller than the logging interval", "Total Flops", "FLOPs", "Traceback")
+
+
+def assert_quiet(text):
+    found = [n for n in NOISE if n in text]
+    assert not found, (found, text[-4000:])
+
+
+def plain(text):
+    """The text without the progress bar's carriage returns and cursor moves."""
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text).replace("\r", "\n")
+
+
+def test_fit_shows_what_ran_and_nothing_else(tmp_path_factory):
+    _, result = short_fit(tmp_path_factory, "run_a")
+    out, err = plain(result.stdout), plain(result.stderr)
+    assert_quiet(out + err)
+    assert re.search(r"^precision: \S+", err, re.M), err
+    assert re.search(r"^data: .*train / .* val blocks of 129 tokens", err, re.M), err
+    assert re.search(r"^step 5 \| loss [\d.]+ \| lr .* \| tok/s [\d,]+ \| mfu n/a \| ", out, re.M), out
+    assert re.search(r"^step 10 \| val/loss [\d.]+ \| val/ppl", out, re.M), out
+    assert "sample (step 10): 'ROMEO:" in out
+    # The model summary keeps its parameter counts.
+    assert "Trainable params" in err and "GPT" in err
+
+
+def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path):
+    for name in ("a", "b"):  # two files and two (spawned) workers: both write to the console
+        (tmp_path / f"{name}.txt").write_text(f"Corpus {name} for the console test.\n" * 300)
+    out_dir = tmp_path / "ds"
+    result = run_cli("prepare", "--inputs", str(tmp_path / "*.txt"), "--output_dir", str(out_dir),
+                     "--seq_len", "63", "--val_fraction", "0.1", "--num_workers", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout + result.stderr
+    assert_quiet(text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[:2] == [f"prepare: tokenizing 2 file(s) -> {out_dir / split}"
+                         for split in ("train", "val")], lines
+    assert re.fullmatch(rf"prepare: 2 documents, [\d,]+ train \+ [\d,]+ val tokens, \d+ shards -> "
+                        rf"{re.escape(str(out_dir))}", lines[2]), lines
+    assert len(lines) == 3, lines
+
+
+def test_model_summary_drops_flops_only_when_uncounted():
+    table = ("\n  | Name  | Type | Params | Mode  | FLOPs\n----------------------------------------\n"
+             "0 | model | GPT  | 3.3 M  | train | 0    \n----------------------------------------\n"
+             "3.3 M     Total params\n0         Total Flops")
+    quiet = _without_unknown_flops(table)
+    assert "FLOPs" not in quiet and "Total Flops" not in quiet
+    assert "0 | model | GPT  | 3.3 M  | train" in quiet and "3.3 M     Total params" in quiet
+    assert all(len(line) == len(quiet.splitlines()[1]) for line in quiet.splitlines()
+               if line.startswith("---"))
+    counted = table.replace("0         Total Flops", "1.2 G     Total Flops")
+    assert _without_unknown_flops(counted) == counted
