@@ -3,6 +3,13 @@ import os
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test processes share the CPU (`-n auto`, one per core): one thread each, for the
+    # tests in this process and the CLI subprocesses they start, instead of every process
+    # spreading over every core.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _data_cache(tmp_path_factory):

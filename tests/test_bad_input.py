@@ -23,6 +23,7 @@ import torch
 from _runs import short_fit
 from test_security import craft
 from fp8_lightning.cli import main
+from fp8_lightning.data import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir", "{tmp}/run"]
@@ -121,6 +122,12 @@ DIMS = [
 DATA = [
     ("data-dir-missing", fit("--data.data_dir", "{tmp}/nope"), "data.data_dir='{tmp}/nope' does not exist"),
     ("data-dir-not-prepared", fit("--data.data_dir", "{tmp}"), "is not a prepared dataset"),
+    ("data-index-broken", fit("--data.data_dir", "{tmp}/ds_bad_index"), "ds_bad_index/train/index.json"),
+    ("data-shard-truncated", fit("--data.data_dir", "{tmp}/ds_truncated"), "ds_truncated/train/chunk-0-0.bin"),
+    ("data-smaller-than-a-batch", fit("--data.data_dir", "{tmp}/ds", "--data.batch_size", "64"),
+     "data.batch_size=64"),
+    ("data-ids-outside-vocab", fit("--data.data_dir", "{tmp}/ds_bad_ids", "--trainer.max_steps", "1",
+                                   "--trainer.num_sanity_val_steps", "0"), "50303"),
 ]
 PREPARE = [
     ("prepare-no-match", ["prepare", "--inputs", "{tmp}/*.none", "--output_dir", "{tmp}/ds"], "matches no file"),
@@ -137,6 +144,17 @@ PREPARE = [
     ("prepare-unknown-option", ["prepare", "--inputs", "{tmp}/small.txt", "--output", "{tmp}/ds"],
      "--output"),
     ("prepare-missing-output", ["prepare", "--inputs", "{tmp}/small.txt"], "output_dir"),
+    ("prepare-not-utf8", ["prepare", "--inputs", "{tmp}/latin1.txt", "--output_dir", "{tmp}/ds2"], "latin1.txt"),
+    ("prepare-invalid-jsonl", ["prepare", "--inputs", "{tmp}/broken.jsonl", "--output_dir", "{tmp}/ds2"],
+     "broken.jsonl:2"),
+    ("prepare-no-text-field", ["prepare", "--inputs", "{tmp}/notext.jsonl", "--output_dir", "{tmp}/ds2"],
+     "notext.jsonl:1"),
+    ("prepare-tokenizer-missing", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir", "{tmp}/ds2",
+                                   "--tokenizer", "{tmp}/tok.json"], "tok.json"),
+    ("prepare-output-is-a-file", ["prepare", "--inputs", "{tmp}/small.txt", "--output_dir",
+                                  "{tmp}/table.csv"], "table.csv"),
+    ("prepare-too-small", ["prepare", "--inputs", "{tmp}/tiny.txt", "--output_dir", "{tmp}/ds",
+                           "--seq_len", "1024"], "seq_len"),
 ]
 CHECKPOINTS = [
     ("ckpt-missing", fit("--ckpt_path", "{tmp}/nope.ckpt"), "checkpoint '{tmp}/nope.ckpt' does not exist"),
@@ -232,6 +250,27 @@ def files(tmp_path_factory, run):
     (tmp / "guard.yaml").write_text(quick.replace("window: 100", "window: 0"))
     (tmp / "table.csv").write_text("a,b\n")
     (tmp / "small.txt").write_text("A small corpus.\n" * 200)
+    (tmp / "tiny.txt").write_text("Too short for a block.\n")
+    (tmp / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)
+    (tmp / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "no closing brace"\n')
+    (tmp / "notext.jsonl").write_text('{"body": "the text is elsewhere"}\n')
+    # A small prepared dataset (a few blocks of the quickstart's 128 tokens) and broken copies.
+    text = (ROOT / "fp8_lightning/assets/tinyshakespeare.txt").read_text()[:20_000]
+    (tmp / "shakespeare.txt").write_text(text)
+    prepare([str(tmp / "shakespeare.txt")], str(tmp / "ds"), seq_len=128, val_fraction=0.3,
+            num_workers=1)
+    for name in ("ds_bad_index", "ds_truncated", "ds_bad_ids"):
+        shutil.copytree(tmp / "ds", tmp / name)
+    (tmp / "ds_bad_index" / "train" / "index.json").write_text("{not json")
+    chunk = tmp / "ds_truncated" / "train" / "chunk-0-0.bin"
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    chunk = tmp / "ds_bad_ids" / "train" / "chunk-0-0.bin"
+    ids = bytearray(chunk.read_bytes())
+    body = len(ids) - 12  # after the chunk's 12-byte header: int32 token ids
+    bad = (50303).to_bytes(4, "little")
+    for i in range(12, 12 + body, 4):
+        ids[i:i + 4] = bad
+    chunk.write_bytes(bytes(ids))
     ckpt = next(run.rglob("last.ckpt"))
     data = ckpt.read_bytes()
     (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
@@ -283,7 +322,7 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_lost(case_id, argv, expe
     assert len(errors) == 1, err[-2000:]
     assert fill(expected) in errors[0], errors[0]
     assert "Traceback" not in err
-    assert len(errors[0]) < 600, errors[0]  # one readable line, not a dump
+    assert len(errors[0]) < 800, errors[0]  # one readable line, not a dump
     # Nothing the user had is lost: every file there before is there, byte for byte.
     assert tree_digest(ckpt.parent) == before["ckpt"]
     after = tree_digest(tmp_path)

@@ -79,8 +79,11 @@ def test_variant_names():
             parse_variant(bad)
 
 
-def test_fp8_variants_take_the_config_policy_and_own_recipe_fields():
-    run = load_run_config(str(ROOT / "configs" / "gpt2_fp8.yaml"))
+def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
+    config = tmp_path / "gpt2_fp8.yaml"  # the headline config with delayed's fields written out
+    config.write_text((ROOT / "configs" / "gpt2_fp8.yaml").read_text().replace(
+        "recipe: delayed", "recipe: delayed\n        amax_history_len: 1024"))
+    run = load_run_config(str(config))
     delayed = fp8_plugin_args(run, parse_variant("fp8-delayed-bf16ends"))
     assert delayed["amax_history_len"] == 1024 and delayed["fp8_lm_head"] is False
     assert delayed["bf16_first_layers"] == delayed["bf16_last_layers"] == 1

@@ -73,7 +73,7 @@ def test_user_errors_are_one_message_without_traceback():
 def test_unknown_recipe_key_is_rejected(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text((ROOT / "configs/gpt2_fp8.yaml").read_text().replace(
-        "amax_compute_algo: max", "amax_compute_algo: max\n        interval: 1"))
+        "recipe: delayed", "recipe: delayed\n        interval: 1"))
     result = run_cli("fit", "--config", str(cfg), "--print_config")
     assert result.returncode != 0 and "interval" in result.stderr
 

@@ -1,4 +1,5 @@
 import logging
+import os
 
 import lightning as L
 import pytest
@@ -49,15 +50,43 @@ def test_layer_policy_keeps_lm_head_and_edge_blocks_bf16():
     assert bf16_module_names(model, fp8_lm_head=True, bf16_first_layers=0, bf16_last_layers=0) == {}
 
 
-def test_fallback_without_te_or_gpu_says_why(caplog):
+FALLBACKS = {"bf16": ("bf16-mixed", "BF16 on the CPU (it has BF16 instructions)"),
+             "fp32": ("32-true", "FP32 on the CPU: it has no BF16 instructions")}
+
+
+@pytest.fixture(params=sorted(FALLBACKS))
+def fallback(request, monkeypatch):
+    """Each fallback this hardware check can choose (BF16 where the CPU or GPU has it, FP32 on a
+    CPU without BF16 instructions), whichever machine runs the test."""
+    import fp8_lightning.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fallback_precision", lambda: FALLBACKS[request.param])
+    return request.param
+
+
+def test_fallback_without_te_or_gpu_says_why(caplog, fallback):
     plugin = FP8Precision()
     with caplog.at_level(logging.WARNING):
         plugin.convert_module(GPT(GPTConfig.from_name("tiny")))
-    assert not plugin.fp8_active and plugin.effective_precision == "bf16"
-    assert plugin.tag.startswith("BF16 (fallback: ")
+    assert not plugin.fp8_active and plugin.effective_precision == fallback
+    assert plugin.tag.startswith(f"{fallback.upper()} (fallback: ")
+    assert FALLBACKS[fallback][1] in plugin.tag  # the reason for the precision too
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "FP8 is not available:" in warnings[0].getMessage()
+    assert f"Running {FALLBACKS[fallback][1]}" in warnings[0].getMessage()
     assert plugin.history[-1]["event"] == "unavailable"
+
+
+def test_the_real_fallback_matches_this_cpu():
+    """This machine's answer agrees with its instruction set (the CI CPUs have no BF16)."""
+    from fp8_lightning.te_support import cpu_has_native_bf16, fallback_precision
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine")
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    has = any(f in flags for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    assert cpu_has_native_bf16() == has
+    assert fallback_precision()[0] == ("bf16-mixed" if has else "32-true")
 
 
 def test_on_unavailable_error_stops():
@@ -65,24 +94,24 @@ def test_on_unavailable_error_stops():
         FP8Precision(on_unavailable="error").convert_module(GPT(GPTConfig.from_name("tiny")))
 
 
-def test_fallback_context_is_bf16_autocast_and_leaves_default_dtype():
+def test_fallback_context_autocasts_only_in_bf16_and_leaves_default_dtype(fallback):
     plugin = FP8Precision()
     model = GPT(GPTConfig.from_name("tiny"))
     plugin.convert_module(model)
     with plugin.train_step_context():
         out = model.lm_head(torch.randn(2, 64))
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == (torch.bfloat16 if fallback == "bf16" else torch.float32)
     assert torch.get_default_dtype() == torch.float32
     assert model.lm_head.weight.dtype == torch.float32  # fp32 master weights
 
 
-def test_bf16_true_casts_the_weights():
+def test_bf16_true_casts_the_weights_where_bf16_is_native(fallback):
     plugin = FP8Precision(weights="bf16-true")
     model = plugin.convert_module(GPT(GPTConfig.from_name("tiny")))
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == (torch.bfloat16 if fallback == "bf16" else torch.float32)
 
 
-def test_state_dict_round_trip_and_switch_history():
+def test_state_dict_round_trip_and_switch_history(fallback):
     a = FP8Precision(recipe="current", bf16_last_layers=1)
     a.convert_module(GPT(GPTConfig.from_name("tiny")))
     # The switch without FP8 available: disable is a no-op, enable refuses.
@@ -91,7 +120,7 @@ def test_state_dict_round_trip_and_switch_history():
     state = a.state_dict()
     torch.save(state, "/dev/null")  # plain types only
     assert state["recipe"] == {"recipe": "current", "fp8_format": "hybrid"}
-    assert state["effective_precision"] == "bf16" and state["fp8_active"] is False
+    assert state["effective_precision"] == fallback and state["fp8_active"] is False
     b = FP8Precision(recipe="current")
     b.load_state_dict(state)
     assert [h["event"] for h in b.history] == ["unavailable"]
@@ -124,7 +153,7 @@ def test_plugin_trains_the_torch_backend_with_the_trainer(tmp_path):
                         default_root_dir=tmp_path, limit_val_batches=0)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     assert trainer.global_step == 8
-    assert trainer.precision_plugin.effective_precision == "bf16"
+    assert trainer.precision_plugin.effective_precision in ("bf16", "fp32")  # this machine's
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 

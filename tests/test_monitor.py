@@ -21,7 +21,7 @@ LINE = re.compile(
     r"^step (?P<step>\d+) \| loss (?P<loss>\d+\.\d{4}|n/a) \| lr (?P<lr>\d\.\d{2}e[-+]\d{2}|n/a) \| "
     r"norm (?P<norm>\d+\.\d{3}|n/a) \| dt (?P<dt>\d+\.\d)ms \| tok/s (?P<tps>\d{1,3}(?:,\d{3})*) \| "
     r"mfu (?P<mfu>\d+\.\d%|n/a)(?: \| mfu_fp8 (?P<mfu_fp8>\d+\.\d%))? \| "
-    r"(?P<tag>FP8 \w+|BF16 \(fallback: .+\)|\S+)$")
+    r"(?P<tag>FP8 \w+|(?:BF16|FP32) \(fallback: .+\)|\S+)$")
 
 
 # ----------------------------------------------------------------------------- the line
@@ -144,7 +144,7 @@ def test_console_lines_in_a_cpu_fit(fit_run):
     for line in lines:
         m = LINE.match(line)
         assert m["mfu"] == "n/a" and m["mfu_fp8"] is None  # CPU: no peak
-        assert m["tag"].startswith("BF16 (fallback: ")  # and it says why
+        assert m["tag"].startswith(("BF16 (fallback: ", "FP32 (fallback: "))  # and it says why
         assert float(m["loss"]) > 0 and float(m["dt"]) > 0 and m["norm"] != "n/a"
     assert any(re.match(r"^step 10 \| val/loss \d+\.\d{4} \| val/ppl \d+", l) for l in stdout)
     assert any(l.startswith("sample (step 10): 'ROMEO:") for l in stdout)
@@ -165,7 +165,7 @@ def test_tensorboard_scalars_after_a_short_fit(fit_run):
     assert scalars[M.HP_METRIC][9] == pytest.approx(scalars[M.VAL_LOSS][9])
     assert M.MFU not in scalars and M.PEAK_MEMORY not in scalars  # CPU: no peak, no CUDA
     assert texts[f"{M.SAMPLES}/text_summary"][0].strip().startswith("ROMEO:")
-    assert texts[f"{M.PRECISION_TEXT}/text_summary"][0].startswith("BF16 (fallback: ")
+    assert texts[f"{M.PRECISION_TEXT}/text_summary"][0].startswith(("BF16 (fallback: ", "FP32 (fallback: "))
     assert "unavailable" in texts[f"{M.FP8_EVENTS_TEXT}/text_summary"][0]
     config = texts[f"{M.CONFIG_TEXT}/text_summary"][0]
     assert "| model.config.name | tiny |" in config and "| fp8.recipe | delayed |" in config

@@ -81,22 +81,24 @@ def test_fp8_formats_are_computed_live(cpu_outputs):
 
 def test_training_states_what_ran_and_the_loss_is_finite(cpu_outputs):
     out = cpu_outputs
-    from fp8_lightning.te_support import te_status
+    from fp8_lightning.te_support import fallback_precision, te_status
 
     ok, reason = te_status()
+    precision, why = fallback_precision()
+    tag = "BF16" if precision == "bf16-mixed" else "FP32"
     if ok:
         assert "requested FP8 delayed; ran FP8 delayed" in out
     else:  # the plugin's own fallback reason, verbatim
-        assert f"requested FP8 delayed; ran BF16 (fallback: {reason})" in out
-        assert f"The FP8 run fell back to BF16 ({reason})" in out
+        assert f"requested FP8 delayed; ran {tag} (fallback: {reason}; {why})" in out
+        assert f"The FP8 run fell back to {tag} ({reason}; {why})" in out
         assert "export_fp8_scaling: empty" in out
-        # the fallback is the very BF16 computation: same seed, same data, the same losses
+        # the fallback is the very baseline computation: same seed, same data, the same losses
         assert "largest train-loss gap at a log point: 0.0000" in out
-    assert "BF16 run: ran bf16-mixed" in out
+    assert f"Baseline run: ran {precision} ({why})" in out
     lines = re.findall(r"^step (\d+) \| loss (\S+) \|", out, flags=re.M)
     assert [int(s) for s, _ in lines] == [3, 6, 3, 6]  # two runs, a line every 3 steps
     assert all(math.isfinite(float(loss)) and 0 < float(loss) < 12 for _, loss in lines)
-    assert re.search(r"^FP8 run\s+\| BF16 \(fallback\)", out, flags=re.M) or ok
+    assert re.search(rf"^FP8 run\s+\| {tag} \(fallback\)", out, flags=re.M) or ok
     assert "history: [{'event':" in out  # the plugin's state as it goes into checkpoints
 
 
