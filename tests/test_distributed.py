@@ -12,7 +12,8 @@ from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.module import GPTLightningModule
 from tests._runs import run_cli
 
-TOKENS_PER_STEP = 8 * 128  # quickstart: batch 8 x seq 128 per rank
+BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
+TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
 
 
 def fit(root, *args, devices=2, config=None):
@@ -21,7 +22,8 @@ def fit(root, *args, devices=2, config=None):
     result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra,
                      "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
                      "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
-                     "--trainer.callbacks.init_args.every_n_train_steps", "3", *args)
+                     "--trainer.callbacks.init_args.every_n_train_steps", "3",
+                     "--data.batch_size", str(BATCH), *args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -170,6 +172,7 @@ def test_torchrun_launch_is_picked_up_by_lightning(tmp_path):
          "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
          "--config", "configs/ddp.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
          "--trainer.num_nodes", "1", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+         "--data.batch_size", str(BATCH),
          "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(tmp_path)],
         cwd=ROOT, text=True, capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
