@@ -30,7 +30,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ". .venv/bin/activate": (CI,),
     "pip install -e .": (CI,),  # CI installs the same package with the dev extras
     "pip install -e .[dev]": (CI,),
-    "python -m pytest -q": (CI,),
+    "python -m pytest -q -n auto --dist loadfile": (CI,),
     "pip install -e .[te]": (GPU,),
     "python -m pytest -m gpu": (GPU,),
     "python -m fp8_lightning fit --config configs/quickstart.yaml": (
