@@ -24,8 +24,18 @@ def _data_cache(tmp_path_factory):
         os.environ["FP8L_CACHE"] = old
 
 
+# The files with the longest runs (several-process fits, data preparation, resumes) first: with
+# `-n auto --dist loadfile` a file runs in one process, and a long file handed out last leaves
+# the other processes idle at the end.
+LONGEST_FIRST = ("test_distributed.py", "test_data.py", "test_checkpoint.py", "test_cli.py",
+                 "test_signals.py", "test_console.py")
+
+
 def pytest_collection_modifyitems(config, items):
     from fp8_lightning.te_support import te_status
+
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
 
     ok, reason = te_status()
     if ok and torch.cuda.is_available():
