@@ -11,8 +11,6 @@ file it names, and usually what would be valid). ``{tmp}`` in argv is the case's
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import pickle
 import shutil
 from pathlib import Path
