@@ -724,26 +724,6 @@ def checkpoints(directory: str) -> None:
     print(format_checkpoints(rows))
 
 
-def configured_checkpoint_dir(trainer: Any) -> Optional[str]:
-    """Where the :class:`Checkpoint` callback of a trainer config (LightningCLI's parsed
-    ``trainer`` namespace) writes: its ``dirpath``, else ``<default_root_dir>/checkpoints``; None
-    when the config has no such callback."""
-    import importlib
-
-    callbacks = trainer.get("callbacks") or []
-    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-        module, _, name = str(getattr(callback, "class_path", "")).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            continue
-        if isinstance(cls, type) and issubclass(cls, Checkpoint):
-            dirpath = (callback.get("init_args") or {}).get("dirpath")
-            return dirpath or os.path.join(trainer.get("default_root_dir") or os.getcwd(),
-                                           "checkpoints")
-    return None
-
-
 def find_checkpoint(which: str, directory: str | os.PathLike) -> str:
     """The checkpoint that ``--ckpt_path last`` or ``best`` names in ``directory`` (the
     :class:`Checkpoint` callback's), or one :class:`CheckpointError` saying there is none.

@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from .bench import bench
-from .checkpoint import (CheckpointError, checkpoints, configured_checkpoint_dir, consolidate,
+from .checkpoint import (Checkpoint, CheckpointError, checkpoints, consolidate,
                          find_checkpoint, load_checkpoint_file, recorded_config)
 from .config import ConfigError, UsageError
 from .data import TokenShardDataModule, prepare
@@ -89,6 +89,19 @@ def _import_class(path: str) -> Optional[type]:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def configured_checkpoint_dir(trainer: Namespace) -> Optional[str]:
+    """Where the :class:`Checkpoint` callback of a parsed ``trainer`` config writes: its
+    ``dirpath``, else ``<default_root_dir>/checkpoints``; None when it has no such callback."""
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        cls = _import_class(str(getattr(callback, "class_path", "")))
+        if isinstance(cls, type) and issubclass(cls, Checkpoint):
+            dirpath = (callback.get("init_args") or {}).get("dirpath")
+            return dirpath or os.path.join(trainer.get("default_root_dir") or os.getcwd(),
+                                           "checkpoints")
+    return None
 
 
 class ArgumentParser(LightningArgumentParser):
@@ -189,8 +202,9 @@ class FP8LightningCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except SystemExit:
-            # Lightning turns SIGTERM into SIGTERMException (a SystemExit with status 0) and
-            # Ctrl-C into sys.exit(1), both after saving what its callbacks save: say so.
+            # Lightning turns SIGTERM (and, through _on_ctrl_c, a first Ctrl-C) into
+            # SIGTERMException, a SystemExit with status 0, after Checkpoint.on_exception saved the
+            # step; a second Ctrl-C into sys.exit(1). Say so, with a non-zero status.
             if self.trainer.interrupted:
                 raise Interrupted(self.trainer, signal.SIGINT if ctrl_c or not
                                   self.trainer.received_sigterm else signal.SIGTERM) from None
