@@ -1,17 +1,22 @@
 """``python -m fp8_lightning bench``: what FP8 buys on this GPU and this model, measured.
 
-Each variant trains the config's model for ``warmup + steps`` plain training steps (forward, fp32
-cross-entropy, backward, AdamW) on synthetic random tokens that are already on the device: data
-loading is excluded. Timing uses CUDA events around the ``steps`` timed steps (``perf_counter``
-wall clock on a CPU, where MFU and peak memory are n/a).
+Each variant runs ``warmup + steps`` of ``fit``'s own training step, built through the training
+code (:func:`build_step`: ``GPTLightningModule.loss`` with its compile setting, the module's AdamW
+and schedule, gradient clipping, the ``FP8Precision`` plugin) on synthetic random tokens already
+on the device: data loading and the Trainer's hooks are excluded. Timing uses CUDA events around
+the ``steps`` timed steps (``perf_counter`` wall clock on a CPU, where MFU and peak memory are
+n/a). ``host ms`` is the CPU time to issue one step while the GPU is kept busy (:func:`host_ms`):
+a step whose host time is near its GPU time is host-bound.
 FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are against the baseline
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
-Variants are ``<base>[-bf16ends][-te-attn]``:
+Variants are ``<base>[-bf16ends][-te-attn][-eager][-nograph]``:
 
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
-  ``torch.compile`` (model + loss): the strong plain-PyTorch baseline.
+  ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
 * ``te-bf16``: the TransformerEngine backend in BF16 autocast.
+* TE variants compile the regions between TE modules and replay each block as a CUDA graph, as
+  ``fit`` does on one GPU; ``-eager`` turns compilation off, ``-nograph`` the graphs.
 * ``fp8-<recipe>`` (``delayed``, ``current``, ``block``, ``mxfp8``): the TE backend through
   :class:`~fp8_lightning.fp8.FP8Precision` exactly as training runs it, with the config's layer
   policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for the config's own recipe, its fields.
@@ -40,13 +45,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
 from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, recipe_available
-from .model import GPT
 from .te_support import cpu_has_native_bf16, te_status, te_version
 
 log = logging.getLogger(__name__)
@@ -58,23 +61,25 @@ DEFAULT_VARIANTS = ["torch-compile", "torch-eager", "te-bf16", "fp8-delayed", "f
 BASES: dict[str, tuple[str, Optional[str], bool]] = {
     "torch-eager": ("torch", None, False),
     "torch-compile": ("torch", None, True),
-    "te-bf16": ("te", None, False),
-    **{f"fp8-{r}": ("te", r, False) for r in RECIPES},
+    "te-bf16": ("te", None, True),
+    **{f"fp8-{r}": ("te", r, True) for r in RECIPES},
 }
-SUFFIXES = ("-bf16ends", "-te-attn")
+SUFFIXES = ("-bf16ends", "-te-attn", "-eager", "-nograph")
 
 
 def method(device: torch.device) -> str:
     """How the figures were measured on ``device`` (the table's last line and ``bench.json``)."""
     cuda = device.type == "cuda"
-    return ("synthetic random tokens already on the device (data loading excluded); per step: "
-            f"forward, fp32 cross-entropy, backward, AdamW{' (fused)' if cuda else ''}, zero_grad; "
-            "fp32 master weights with BF16 autocast; FP8 variants wrap the forward in te.autocast "
-            "through FP8Precision; timing: "
+    return ("fit's training step (GPTLightningModule.loss, its compile setting, AdamW"
+            f"{' (fused)' if cuda else ''}, LR schedule, gradient-norm clip {GRADIENT_CLIP}, "
+            "zero_grad) on synthetic random tokens already on the device (data loading and Trainer "
+            "hooks excluded); fp32 master weights with BF16 autocast; FP8 variants through "
+            "FP8Precision (te.autocast); timing: "
             + ("CUDA events" if cuda else "wall clock (time.perf_counter) on the CPU")
             + " over the timed steps after warm-up; FLOPs/token: fp8_lightning.flops (6 * N_matmul"
             " + 12 * n_layer * seq * n_embd); MFU vs the dense BF16 peak"
-            + ("" if cuda else " (n/a on a CPU: no peak is known)"))
+            + ("" if cuda else " (n/a on a CPU: no peak is known)")
+            + ("; host ms: CPU time to issue one step while the GPU is kept busy" if cuda else ""))
 
 
 # --------------------------------------------------------------------------------- run config
@@ -167,28 +172,33 @@ class Variant:
     compile: bool = False
     attention: str = "sdpa"
     bf16_ends: bool = False
+    graphs: bool = False
 
 
 def parse_variant(name: str) -> Variant:
     """``fp8-delayed-bf16ends-te-attn`` -> ``Variant``; a bad name raises one ``ConfigError``."""
     base, flags = name, set()
-    for suffix in SUFFIXES * 2:  # suffixes in any order
-        if base.endswith(suffix):
+    for suffix in SUFFIXES * 4:  # suffixes in any order
+        if base not in BASES and base.endswith(suffix):
             base, flags = base[: -len(suffix)], flags | {suffix}
     problems = []
     if base not in BASES:
         problems.append(f"variant {name!r}; valid: {', '.join(BASES)}, optionally followed by "
-                        f"-bf16ends (FP8 variants) and/or -te-attn (TE variants)")
+                        f"-bf16ends (FP8 variants), -te-attn, -eager and -nograph (TE variants)")
     else:
         backend, recipe, compiled = BASES[base]
         if "-te-attn" in flags and backend != "te":
             problems.append(f"variant {name!r}: -te-attn needs a TE variant (te-bf16, fp8-*)")
         if "-bf16ends" in flags and recipe is None:
             problems.append(f"variant {name!r}: -bf16ends needs an FP8 variant (fp8-*)")
+        for flag in ("-eager", "-nograph"):
+            if flag in flags and backend != "te":
+                problems.append(f"variant {name!r}: {flag} needs a TE variant (te-bf16, fp8-*)")
     if problems:
         raise ConfigError(problems, "bench --variants")
-    return Variant(name, backend, recipe, compiled, "te" if "-te-attn" in flags else "sdpa",
-                   "-bf16ends" in flags)
+    return Variant(name, backend, recipe, compiled and "-eager" not in flags,
+                   "te" if "-te-attn" in flags else "sdpa",
+                   "-bf16ends" in flags, backend == "te" and "-nograph" not in flags)
 
 
 def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precision], list[str]]:
@@ -253,9 +263,7 @@ def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str
 
 
 # --------------------------------------------------------------------------------- one variant
-def forward_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy in fp32 (as ``GPTLightningModule`` computes it)."""
-    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+GRADIENT_CLIP = 1.0  # the shipped configs' trainer.gradient_clip_val
 
 
 class _Timer:
@@ -281,9 +289,132 @@ class _Timer:
         return (time.perf_counter() - self.t0) * 1e3
 
 
+def build_step(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
+               device: torch.device, fp8_args: Optional[dict[str, Any]] = None,
+               total_steps: int = 100) -> tuple[Callable[[], torch.Tensor], Any]:
+    """One ``fit`` training step of ``variant`` on synthetic tokens, built through the training
+    code itself: ``GPTLightningModule`` (its loss path and compile setting), its optimizer and
+    schedule, gradient-norm clipping as the shipped configs set it, and for FP8 variants the
+    ``FP8Precision`` plugin's conversion and step context. Returns ``(step, plugin or None)``."""
+    from .module import GPTLightningModule
+
+    module = GPTLightningModule(config, backend=variant.backend, attention=variant.attention,
+                                compile=variant.compile, cuda_graphs=None if variant.graphs else False,
+                                warmup_steps=min(10, total_steps),
+                                lr_decay_steps=total_steps)
+    # The Trainer builds the model under the strategy's device context; TE modules go to CUDA.
+    with torch.device(device) if variant.backend == "torch" else nullcontext():
+        module.configure_model()
+    module.to(device).train()
+    plugin = None
+    if variant.recipe is not None:
+        plugin = FP8Precision(**fp8_args)
+        module = plugin.convert_module(module)
+        context: Callable[[], Any] = plugin.train_step_context
+    else:
+        context = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    schedule = module.configure_optimizers()
+    optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
+    batch = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
+
+    def step() -> torch.Tensor:
+        with context():
+            loss, _ = module.loss(batch)
+        loss.backward()
+        module.on_after_backward()
+        module.configure_gradient_clipping(optimizer, GRADIENT_CLIP, "norm")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step.module = module  # type: ignore[attr-defined]
+    return step, plugin
+
+
+def host_ms(step: Callable[[], Any], device: torch.device, repeats: int = 3
+            ) -> tuple[Optional[float], str]:
+    """CPU time to issue one step, with the GPU kept busy so the host never waits on it.
+
+    A spin kernel long enough to cover the step is queued first; the host then issues the step.
+    If the spin finished before the host did, the host may have waited (a sync in the step, or a
+    full launch queue) and the figure is not host time: ``None`` with the reason.
+    """
+    if device.type != "cuda":
+        return None, "host time is the step time on a CPU"
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(1_000_000_000)  # ~0.5-0.6 s of spinning at Hopper clocks
+        spinning = torch.cuda.Event()
+        spinning.record()
+        t0 = time.perf_counter()
+        step()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if spinning.query():
+            torch.cuda.synchronize(device)
+            return None, "the step waited on the GPU (a host sync or a full launch queue)"
+        times.append(elapsed)
+        torch.cuda.synchronize(device)
+    return sorted(times)[len(times) // 2], "issued while the GPU was busy"
+
+
+# Kernel-name patterns -> profile category (first match wins), for `bench --profile`.
+KERNEL_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attn", "sdpa", "cudnn")),
+    ("fp8 cast/transpose/amax", ("cast", "transpose", "amax", "quantize", "fp8", "scale")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")),
+    ("loss", ("cross_entropy", "log_softmax", "nll", "logsumexp")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_", "clip")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, patterns in KERNEL_CATEGORIES:
+        if any(p in low for p in patterns):
+            return category
+    return "other"
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3) -> dict[str, float]:
+    """GPU kernel time per step by category (ms), from the PyTorch profiler over ``steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us and event.device_type.name == "CUDA":
+            category = kernel_category(event.key)
+            totals[category] = totals.get(category, 0.0) + us / 1e3 / steps
+    totals["total"] = sum(totals.values())
+    return {k: round(v, 3) for k, v in sorted(totals.items())}
+
+
+def host_profile(step: Callable[[], Any], steps: int = 3, top: int = 12) -> list[list[Any]]:
+    """Where the host's time goes: the functions with the most own time (cProfile), ms/step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, ...)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(f).name}:{line}({name})", round(1e3 * v[2] / steps, 3), v[1] // steps]
+            for (f, line, name), v in rows]
+
+
 def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
                 steps: int, warmup: int, device: torch.device,
-                fp8_args: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
+                fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
+                profile: bool = False) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` ones; returns the variant's figures.
 
     Raises whatever the step raises (``torch.OutOfMemoryError`` included): :func:`bench` records it.
@@ -293,30 +424,8 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device)
-    # The torch backend builds in place; TE modules are built on CUDA by the layer factory.
-    with torch.device(device) if variant.backend == "torch" else nullcontext():
-        model = GPT(config, backend=variant.backend, attention=variant.attention)
-    plugin = None
-    if variant.recipe is not None:
-        plugin = FP8Precision(**fp8_args)
-        model = plugin.convert_module(model)
-        context: Callable[[], Any] = plugin.train_step_context
-    else:
-        context = partial(torch.autocast, device.type, dtype=torch.bfloat16)
-    loss_fn = torch.compile(forward_loss) if variant.compile else forward_loss
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                  fused=device.type == "cuda")
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-
-    def step() -> torch.Tensor:
-        with context():
-            loss = loss_fn(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
+    step, plugin = build_step(variant, config, batch_size, seq_len, device=device,
+                              fp8_args=fp8_args, total_steps=warmup + steps + 8)
     for _ in range(warmup):
         step()
     timer = _Timer(device)
@@ -325,13 +434,22 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
         loss = step()
     ms = timer.stop() / steps
     result: dict[str, Any] = {"loss": loss.item()}
+    host, host_note = host_ms(step, device)
+    result.update(host_ms=host, host_note=host_note)
+    if profile and device.type == "cuda":
+        result["profile_ms"] = profile_step(step, device)
+        result["host_profile"] = host_profile(step)
+    module = step.module  # type: ignore[attr-defined]
+    compiled, graphs = module.compiled, bool(getattr(module._graphs, "active", False))
+    result.update(compiled=compiled, cuda_graphs=graphs)
     if plugin is not None:
         result["precision"] = plugin.tag
         result["bf16_modules"] = sorted(plugin.bf16_modules)
         if not plugin.fp8_active:
             return {**result, "status": "skipped", "reason": f"FP8 did not run: {plugin.reason}"}
     else:
-        result["precision"] = "BF16" + (" (torch.compile)" if variant.compile else "")
+        result["precision"] = "BF16"
+    result["precision"] += " compiled" * bool(compiled) + " graphs" * graphs
     tok_s = batch_size * seq_len / (ms / 1e3)
     flops = flops_per_token(config, seq_len)
     peak = peak_for(device_name(device))
@@ -346,12 +464,13 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
 
 def measure(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
             steps: int, warmup: int, device: torch.device,
-            fp8_args: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
+            fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
+            profile: bool = False) -> dict[str, Any]:
     """:func:`run_variant` that never raises: out of memory is a skip, any other error a
     failure with its reason; the variant's memory is freed before returning."""
     try:
         result = run_variant(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
-                             device=device, fp8_args=fp8_args, seed=seed)
+                             device=device, fp8_args=fp8_args, seed=seed, profile=profile)
     except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the table
         message = str(err).strip().splitlines()
         if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
@@ -437,17 +556,32 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"bench: {s['model']} ({s['n_layer']} layers), batch {s['batch_size']} x seq "
              f"{s['seq_len']}, {s['warmup']} warm-up + {s['steps']} timed steps, on "
              f"{report['env']['device']}; speedup vs {report['baseline'] or '-'}",
-             f"{'variant':<26}{'precision':<22}{'tok/s':>12}{'ms/step':>10}{'TFLOP/s':>9}"
-             f"{'MFU':>7}{'peak GiB':>9}{'speedup':>9}"]
+             f"{'variant':<26}{'precision':<30}{'tok/s':>12}{'ms/step':>10}{'host ms':>9}"
+             f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>9}{'speedup':>9}"]
     skipped = []
     for r in report["results"]:
         if r["status"] != "ran":
             skipped.append(f"  {r['variant']}: {r['status']}: {r['reason']}")
             continue
-        lines.append(f"{r['variant']:<26}{r['precision'][:21]:<22}{r['tokens_per_s']:>12,.0f}"
-                     f"{r['ms_per_step']:>10.2f}{_fmt_tflops(r['tflops']):>9}"
+        lines.append(f"{r['variant']:<26}{r['precision'][:29]:<30}{r['tokens_per_s']:>12,.0f}"
+                     f"{r['ms_per_step']:>10.2f}{_fmt(r.get('host_ms'), '.1f'):>9}"
+                     f"{_fmt_tflops(r['tflops']):>9}"
                      f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%'):>7}"
                      f"{_fmt(r['peak_mem_gib'], '.2f'):>9}{_fmt(r.get('speedup'), '.2f', 'x'):>9}")
+    profiled = [r for r in report["results"] if r.get("profile_ms")]
+    if profiled:
+        categories = sorted({c for r in profiled for c in r["profile_ms"] if c != "total"})
+        lines.append("GPU kernel ms per step (profiler), host ms per step:")
+        lines.append(f"{'variant':<26}" + "".join(f"{c[:12]:>13}" for c in categories)
+                     + f"{'total':>9}{'host':>8}")
+        for r in profiled:
+            p = r["profile_ms"]
+            lines.append(f"{r['variant']:<26}" + "".join(f"{p.get(c, 0.0):>13.2f}" for c in categories)
+                         + f"{p['total']:>9.2f}{_fmt(r.get('host_ms'), '.1f'):>8}")
+    for r in profiled:
+        if r.get("host_profile"):
+            lines.append(f"host, {r['variant']}: own ms/step (calls): " + ", ".join(
+                f"{name} {ms:.2f} ({calls})" for name, ms, calls in r["host_profile"][:6]))
     if skipped:
         lines += ["not run:", *skipped]
     if report.get("note"):
@@ -487,7 +621,7 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
           warmup: int = 5, model: Optional[str] = None, batch_size: Optional[int] = None,
           seq_len: Optional[int] = None, n_layer: Optional[int] = None,
           baseline: Optional[str] = None, output_dir: str = "bench_out",
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, profile: bool = False) -> dict[str, Any]:
     """Time training-step variants of a config's model and report tok/s, MFU, memory, speedup.
 
     Args:
@@ -505,6 +639,8 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         baseline: the variant speedups are relative to (default: the first that ran).
         output_dir: where ``bench.json`` and ``bench.png`` go.
         seed: seed for the weights and the synthetic tokens.
+        profile: also profile 3 steps of each variant on the GPU and print the kernel time per
+            step by category (GEMM, attention, FP8 cast/transpose/amax, loss, optimizer, other).
     """
     names = DEFAULT_VARIANTS if not variants else variants
     if isinstance(names, str):
@@ -544,7 +680,8 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         log.info("bench %s: %d warm-up + %d steps", variant.name, warmup, steps)
         fp8_args = fp8_plugin_args(run, variant) if variant.recipe else None
         results.append(measure(variant, model_config, batch_size, seq_len, steps=steps,
-                               warmup=warmup, device=device, fp8_args=fp8_args, seed=seed))
+                               warmup=warmup, device=device, fp8_args=fp8_args, seed=seed,
+                               profile=profile))
     ran = {r["variant"]: r for r in results if r["status"] == "ran"}
     base = baseline if baseline in ran else next(iter(ran), None)
     if baseline is not None and base != baseline:

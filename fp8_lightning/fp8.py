@@ -486,7 +486,10 @@ def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], rec
         module.fp8_meta["num_gemms"] = saved["num_gemms"]
         module.fp8_meta["recipe"] = recipe
         module.fp8_meta["fp8_checkpoint"] = True
-        module.init_fp8_meta_tensors(recipe)
+        current = module.fp8_meta.get("scaling_fwd")
+        if current is None or current.amax_history.shape != saved["amax_history_fwd"].shape:
+            module.init_fp8_meta_tensors(recipe)
+        # else copied in place below: captured CUDA graphs keep pointing at these tensors
         module.reset_fp8_meta_tensors({
             "scaling_fwd": [saved["scale_fwd"], saved["amax_history_fwd"]],
             "scaling_bwd": [saved["scale_bwd"], saved["amax_history_bwd"]]})

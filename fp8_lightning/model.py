@@ -4,6 +4,10 @@ Each block is two fused modules, exactly as TransformerEngine wants them:
 ``qkv`` (norm + QKV projection), attention, ``proj`` (output projection) and ``mlp``
 (norm + fc1 + activation + fc2). ``LayerFactory`` decides whether they are TE modules or their
 PyTorch twins; nothing below knows or cares which.
+
+:func:`compile_model` compiles the model in place (parameter names unchanged): on the PyTorch
+backend the whole forward and loss as one graph; on the TE backend every region *between* TE
+modules (head split, QK-norm, RoPE, SDPA, the loss), leaving TE's modules to TE.
 """
 
 from __future__ import annotations
@@ -15,11 +19,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .layers import LayerFactory, normal_init, residual_std
+from .layers import LayerFactory, SDPAttention, TorchNorm, normal_init, residual_std
 
 # Parameter names (shared by both backends) of the residual-stream output projections, which
 # GPT-2 initialises with std 0.02 / sqrt(2 * n_layer).
 RESIDUAL_PROJECTIONS = ("proj.weight", "mlp.fc2_weight")
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean cross-entropy in fp32 over the real vocabulary; logits (B, T, padded_vocab_size).
+
+    The padded columns are sliced off first, so they take no probability mass. Eager, this
+    materialises the fp32 logits; under ``torch.compile`` the slice, the fp32 cast and the softmax
+    fuse into the reduction and its gradient (nothing fp32 of size (B*T, vocab) is stored).
+    """
+    logits = logits[..., :vocab_size]  # (B, T, vocab_size), a view
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,29 +60,39 @@ class Block(nn.Module):
         init, out_init = normal_init(0.02), normal_init(residual_std(c.n_layer))
         self.qkv = layers.norm_linear(c.n_embd, c.qkv_width, bias=c.bias, norm=c.norm,
                                       eps=c.norm_eps, init_method=init)
-        if c.qk_norm:
-            self.q_norm = layers.norm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
-            self.k_norm = layers.norm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
+        if c.qk_norm:  # a norm over head_dim is no GEMM: the PyTorch one, compiled with RoPE
+            self.q_norm = TorchNorm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
+            self.k_norm = TorchNorm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
         self.core = layers.core_attention(c.n_head, c.n_kv_heads, c.head_dim)
         self.proj = layers.linear(c.n_embd, c.n_embd, bias=c.bias, init_method=out_init)
         self.mlp = layers.norm_mlp(c.n_embd, c.ffn_hidden, bias=c.bias, norm=c.norm,
                                    eps=c.norm_eps, activation=c.activation, init_method=init,
                                    output_layer_init_method=out_init)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
-        B, T, _ = x.shape
+    def heads(self, h: torch.Tensor, *rope: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused QKV output (B, T, (nh + 2 nkv) hs) -> q, k, v with QK-norm and RoPE
+        (``rope``: cos, sin (T, hs), or nothing for learned positions)."""
+        B, T, _ = h.shape
         nh, nkv, hs = self.n_head, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        q, k, v = h.split([nh * hs, nkv * hs, nkv * hs], dim=-1)
         q = q.view(B, T, nh, hs)  # (B, T, nh, hs)
         k = k.view(B, T, nkv, hs)  # (B, T, nkv, hs)
         v = v.view(B, T, nkv, hs)  # (B, T, nkv, hs)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.core(q.contiguous(), k.contiguous(), v.contiguous())  # (B, T, C)
-        x = x + self.proj(y)
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    def attend(self, h: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """Heads, then causal attention: (B, T, (nh + 2 nkv) hs) -> (B, T, C)."""
+        return self.core(*self.heads(h, *rope))
+
+    def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """The residual stream (B, T, C) through attention and MLP; ``rope``: cos, sin or
+        nothing. (Tensors only, no ``None``: what CUDA graph capture takes.)"""
+        x = x + self.proj(self.attend(self.qkv(x), *rope))
         return x + self.mlp(x)
 
 
@@ -99,6 +124,7 @@ class GPT(nn.Module):
                                      init_method=normal_init(0.02))
         if c.tie_embeddings:
             self.wte.weight = self.lm_head.weight
+        self.loss_fn = next_token_loss  # compile_model swaps in the compiled one (TE backend)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -115,26 +141,32 @@ class GPT(nn.Module):
             else:  # norm weights
                 nn.init.ones_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size) over the *real* vocabulary.
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size) over the *real* vocabulary, or, given
+        ``targets`` (B, T), the mean next-token cross-entropy (:func:`next_token_loss`).
 
-        The padded rows of the LM head are sliced off here, so padding never takes
-        probability mass in the loss or in sampling.
+        The padded rows of the LM head are sliced off, so padding never takes probability mass
+        in the loss or in sampling.
         """
+        x, rope = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, *rope)
+        x = self.norm_f(x)
+        logits = self.lm_head(x)  # (B, T, padded_vocab_size)
+        if targets is not None:
+            return self.loss_fn(logits, targets, self.config.vocab_size)
+        return logits[..., : self.config.vocab_size]
+
+    def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Token ids (B, T) -> the residual stream (B, T, C) and the blocks' RoPE tables
+        (cos, sin; empty with learned positions)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         x = self.wte(idx)  # (B, T, C)
-        rope = None
         if self.config.position == "learned":
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        else:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])
-        for block in self.blocks:
-            x = block(x, rope)
-        x = self.norm_f(x)
-        logits = self.lm_head(x)  # (B, T, padded_vocab_size)
-        return logits[..., : self.config.vocab_size]
+            return x + self.wpe(torch.arange(T, device=idx.device)), ()
+        return x, (self.rope_cos[:T], self.rope_sin[:T])
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (tied weights once); ``non_embedding`` leaves out wte/wpe as in GPT-2."""
@@ -148,6 +180,7 @@ class GPT(nn.Module):
         return n
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")  # every new length would be a recompilation
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuing ``idx`` (B, T); temperature 0 is greedy."""
@@ -164,3 +197,35 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+def compile_model(model: GPT) -> str:
+    """Compile ``model`` in place for training; returns what was compiled (for the log line).
+
+    Parameter names, ``model.blocks`` and the state dict are unchanged (``torch.compile(model)``
+    would rename every parameter ``_orig_mod.*``). The PyTorch backend compiles the whole forward
+    and loss as one graph (``nn.Module.compile``). On the TE backend TransformerEngine's modules
+    stay outside (DelayedScaling does not run under ``torch.compile``, TE's maintainers do not plan
+    it); every region between them is compiled: per block the head split, QK-norm, RoPE and
+    SDPA (or the part before ``te.DotProductAttention``), and the loss.
+    """
+    if model.backend == "torch":
+        model.compile()
+        return "the whole model and its loss, one graph"
+    for block in model.blocks:
+        if isinstance(block.core, SDPAttention):
+            block.attend = torch.compile(block.attend)
+        else:
+            block.heads = torch.compile(block.heads)
+    model.loss_fn = torch.compile(next_token_loss)
+    what = "heads + SDPA" if isinstance(model.blocks[0].core, SDPAttention) else "heads"
+    return f"the regions between TE modules: {what} per block, the loss"
+
+
+def uncompile_model(model: GPT) -> None:
+    """Undo :func:`compile_model`: the eager forward again."""
+    model._compiled_call_impl = None  # what nn.Module.compile set
+    for block in model.blocks:
+        for name in ("attend", "heads"):
+            block.__dict__.pop(name, None)  # the instance attribute shadowing the method
+    model.loss_fn = next_token_loss

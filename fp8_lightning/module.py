@@ -8,7 +8,6 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -16,7 +15,7 @@ from typing_extensions import override
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor
-from .model import GPT
+from .model import GPT, compile_model, uncompile_model
 from .te_support import te_status
 
 
@@ -31,6 +30,23 @@ def resolve_backend(backend: str) -> tuple[str, str]:
         raise ConfigError([f"model.backend='te' but {reason}; use backend: auto (falls back to "
                            "the PyTorch backend) or torch"], "model")
     return backend, reason
+
+
+def compile_status(device_type: str) -> tuple[bool, str]:
+    """Can ``torch.compile`` train here, and why (not): needs dynamo, and Triton on a GPU."""
+    try:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            return False, "torch.compile is not supported on this platform"
+        if device_type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return False, "Triton is not installed (torch.compile needs it on a GPU)"
+    except Exception as err:  # noqa: BLE001 - any failure to import dynamo is the reason
+        return False, f"torch.compile is unavailable: {type(err).__name__}: {err}"
+    return True, "torch.compile works here"
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -58,6 +74,13 @@ class GPTLightningModule(L.LightningModule):
             estimated stepping batches, which breaks streaming-loader resume: Lightning #20550).
         weight_decay: AdamW weight decay for matrices (not norms, biases or embeddings).
         betas: AdamW betas.
+        cuda_graphs: replay each transformer block's forward and backward as a CUDA graph
+            (TE backend, one GPU: :mod:`fp8_lightning.graphs`), captured at the first training
+            step. Default: on where that is measured to win (TE backend on one GPU).
+        compile: ``torch.compile`` the model for training (parameter names unchanged; see
+            :func:`~fp8_lightning.model.compile_model`). Default: on a GPU where it works, off on
+            a CPU (compilation costs more than a short CPU run saves). A compilation that fails
+            at the first step falls back to eager with the reason.
     """
 
     def __init__(self, config: Optional[GPTConfig] = None,
@@ -65,7 +88,8 @@ class GPTLightningModule(L.LightningModule):
                  attention: Literal["sdpa", "te"] = "sdpa", learning_rate: float = 6e-4,
                  min_lr: float = 6e-5, warmup_steps: int = 100,
                  lr_decay_steps: Optional[int] = None, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95)) -> None:
+                 betas: tuple[float, float] = (0.9, 0.95),
+                 compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> None:
         super().__init__()
         if config is None:
             config = GPTConfig()
@@ -96,10 +120,14 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.model: Optional[GPT] = None
+        self.compiled: Optional[str] = None  # what compile_model compiled, until a fallback
         self.tokens_seen = 0
         self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         self.val_loss = MeanMetric()
         self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
+        self._compile_checked = False  # a training step has run compiled
+        self._graphs: Any = None  # BlockGraphs once captured
+        self._graphs_on: Optional[bool] = None  # decided at the first training step
 
     @override
     def configure_model(self) -> None:
@@ -110,6 +138,72 @@ class GPTLightningModule(L.LightningModule):
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
+        self._compile()
+
+    def _compile(self) -> None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        wanted = self.hparams.compile
+        ok, reason = compile_status(device)
+        if wanted is None:
+            wanted = ok and device == "cuda"
+            if not wanted:
+                reason = reason if not ok else "off by default on a CPU (model.compile: true)"
+        elif wanted and not ok:
+            rank_zero_warn(f"model.compile=true but {reason}; training eagerly")
+            wanted = False
+        if not wanted:
+            rank_zero_info(f"compile: off ({reason})" if self.hparams.compile is None
+                           else "compile: off")
+            return
+        self.compiled = compile_model(self.model)
+        rank_zero_info(f"compile: {self.compiled} (torch.compile; the first steps compile)")
+
+    def _use_graphs(self) -> bool:
+        if self._graphs_on is None:
+            from .graphs import graphs_status
+
+            wanted = self.hparams.cuda_graphs
+            trainer = self._trainer
+            ok, reason = graphs_status(self.device.type, trainer.world_size if trainer else 1,
+                                       trainer.callbacks if trainer else [])
+            if self.backend_name != "te":
+                ok, reason = False, "the PyTorch backend is compiled instead"
+            if wanted and not ok:
+                rank_zero_warn(f"model.cuda_graphs=true but {reason}; running without")
+            self._graphs_on = ok and wanted is not False
+            rank_zero_info("CUDA graphs: " + ("on, each block (TE make_graphed_callables)"
+                                              if self._graphs_on else f"off ({reason})"
+                                              if ok is False else "off"))
+        return self._graphs_on
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Mean next-token cross-entropy of a batch of token blocks (B, T + 1), and the tokens
+        it covers: the training step of ``fit`` and of ``bench``."""
+        batch = batch.long()
+        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
+        if self.training and self._use_graphs():
+            from .graphs import prepare_graphs
+
+            B, T = x.shape
+            model = self.model
+            stream = torch.empty(B, T, self.config.n_embd, dtype=model.wte.weight.dtype,
+                                 device=x.device)  # (B, T, C) what the first block receives
+            rope = () if self.config.position == "learned" else (model.rope_cos[:T],
+                                                                 model.rope_sin[:T])
+            self._graphs = prepare_graphs(self._graphs, model, stream, rope)
+        if self.compiled and not self._compile_checked:
+            try:
+                loss = self.model(x, y)
+            except Exception as err:  # noqa: BLE001 - a failed compilation falls back, said why
+                uncompile_model(self.model)
+                self.compiled = None
+                message = " ".join(str(err).split())[:300]
+                rank_zero_warn(f"compile: torch.compile failed ({type(err).__name__}: {message}); "
+                               "training eagerly")
+                loss = self.model(x, y)
+            self._compile_checked = self.training
+            return loss, y.numel()
+        return self.model(x, y), y.numel()
 
     @override
     def setup(self, stage: str) -> None:
@@ -130,16 +224,9 @@ class GPTLightningModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        batch = batch.long()
-        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
-        logits = self.model(x)  # (B, T, vocab_size)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # fp32 over real vocab
-        return loss, y.numel()
-
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss, tokens = self._loss(batch)
+        loss, tokens = self.loss(batch)
         self.tokens_seen += tokens * self.trainer.world_size
         # Not on the progress bar: the bar reads it every step, a host sync per step that the FP8
         # hot path does not need (TrainingMonitor prints the loss every log_every steps).
@@ -173,7 +260,7 @@ class GPTLightningModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss, tokens = self._loss(batch)
+        loss, tokens = self.loss(batch)
         self.val_loss.update(loss, weight=tokens)
 
     @override

@@ -55,7 +55,7 @@ def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = result.stdout
     for text in ("tok/s", "ms/step", "TFLOP/s", "MFU", "peak GiB", "speedup", "torch-eager", "not run:", "fp8-delayed: skipped: TransformerEngine",
-                 "data loading excluded"):
+                 "data loading and Trainer hooks excluded", "host ms"):
         assert text in table, text
     # On a CPU it says what it really timed, and what it cannot know is n/a, not a number.
     assert "timing: wall clock (time.perf_counter) on the CPU" in table
@@ -69,12 +69,17 @@ def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
 
 def test_variant_names():
     v = parse_variant("fp8-current-bf16ends-te-attn")
-    assert (v.backend, v.recipe, v.attention, v.bf16_ends, v.compile) == ("te", "current", "te", True, False)
-    assert parse_variant("torch-compile").compile
+    # TE variants compile and replay CUDA graphs as fit does; the suffixes turn each off
+    assert (v.backend, v.recipe, v.attention, v.bf16_ends, v.compile, v.graphs) == \
+        ("te", "current", "te", True, True, True)
+    v = parse_variant("fp8-delayed-nograph-eager")
+    assert (v.recipe, v.compile, v.graphs) == ("delayed", False, False)
+    assert parse_variant("torch-compile").compile and not parse_variant("torch-eager").compile
     assert all(parse_variant(name) for name in DEFAULT_VARIANTS)
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
                          ("torch-eager-te-attn", "-te-attn needs a TE variant"),
-                         ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant")):
+                         ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant"),
+                         ("torch-compile-nograph", "-nograph needs a TE variant")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)
 

@@ -1,4 +1,5 @@
 import json
+import multiprocessing
 import os
 import shutil
 import struct
@@ -59,9 +60,13 @@ def test_prepare_with_several_workers_is_reproducible_and_keeps_file_order(tmp_p
              "Must give us pause\n" * 120, "The slings and arrows\n" * 45]
     for i, text in enumerate(lines):  # different sizes: a size-sorted schedule would reorder them
         (tmp_path / f"part{i}.txt").write_text(text)
+    before = multiprocessing.get_start_method()
     runs = [prepare([str(tmp_path / "part*.txt")], str(tmp_path / f"ds{r}"), seq_len=15,
                     val_fraction=0.1, num_workers=2) for r in range(2)]
     assert runs[0]["num_workers"] == 2
+    # litdata's optimize forces the process-wide start method to spawn; prepare puts it back, or
+    # every later data loader of the process would spawn (re-import torch) at each epoch
+    assert multiprocessing.get_start_method() == before
     for split in ("train", "val"):
         files = sorted(p.relative_to(tmp_path / "ds0") for p in (tmp_path / "ds0" / split).iterdir())
         assert files == sorted(p.relative_to(tmp_path / "ds1") for p in (tmp_path / "ds1" / split).iterdir())

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.model import GPT
+from fp8_lightning.model import GPT, compile_model, next_token_loss, uncompile_model
 
 # Each preset family cut to CPU size (2 layers, narrow), keeping its architecture.
 FAMILIES = {
@@ -122,3 +122,59 @@ def test_checkpoint_round_trip_strict():
     b.load_state_dict(a.state_dict(), strict=True)
     idx = torch.randint(0, 50257, (1, 8))
     torch.testing.assert_close(a(idx), b(idx))
+
+
+def _reference_loss(logits, targets, vocab_size):
+    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_next_token_loss_is_cross_entropy_over_the_real_vocabulary(compiled):
+    torch.manual_seed(0)
+    vocab, padded = 1000, 1024
+    logits = torch.randn(2, 16, padded, dtype=torch.bfloat16, requires_grad=True)
+    logits.data[..., vocab:] = 30.0  # the padded columns would win every softmax if they counted
+    targets = torch.randint(0, vocab, (2, 16))
+    loss_fn = torch.compile(next_token_loss) if compiled else next_token_loss
+    loss = loss_fn(logits, targets, vocab)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = _reference_loss(ref_logits, targets, vocab)
+    (ref_grad,) = torch.autograd.grad(ref, ref_logits)
+    assert loss.dtype == torch.float32 and torch.allclose(loss, ref, rtol=1e-5)
+    assert torch.allclose(grad.float(), ref_grad.float(), atol=1e-6)
+    assert torch.all(grad[..., vocab:] == 0)  # padding takes no probability mass, no gradient
+
+
+def test_model_returns_the_loss_given_targets():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny"))
+    idx = torch.randint(0, 50257, (2, 17))
+    logits = model(idx[:, :-1])
+    assert torch.allclose(model(idx[:, :-1], idx[:, 1:]), _reference_loss(logits, idx[:, 1:], 50257))
+
+
+def test_compiled_regions_keep_names_and_compile_each_region_once():
+    """compile_model's TE-backend path (the regions between TE modules) on the PyTorch layers:
+    same parameters and losses as eager, one graph for all blocks' attention and one for the loss."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    config = GPTConfig(name="tiny-llama", n_layer=3)  # RoPE and QK-norm inside the region
+    model = GPT(config)
+    names = [n for n, _ in model.named_parameters()]
+    idx = torch.randint(0, config.vocab_size, (2, 33))
+    eager = model(idx[:, :-1], idx[:, 1:])
+    torch._dynamo.reset()
+    counters.clear()
+    model.backend = "te"  # take the TE-backend path; its layers are the PyTorch twins here
+    assert "heads + SDPA" in compile_model(model)
+    compiled = model(idx[:, :-1], idx[:, 1:])
+    compiled.backward()
+    assert [n for n, _ in model.named_parameters()] == names
+    assert torch.allclose(compiled, eager, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2  # the 3 blocks share one compiled region
+    assert model.generate(idx[:, :5], 3).shape == (2, 8)  # sampling runs eagerly, any length
+    uncompile_model(model)
+    assert torch.allclose(model(idx[:, :-1], idx[:, 1:]), eager, rtol=1e-5)
+    torch._dynamo.reset()

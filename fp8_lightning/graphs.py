@@ -1,0 +1,125 @@
+"""CUDA graphs for the TE path: each transformer block's forward and backward replayed as one
+graph, through TransformerEngine's ``make_graphed_callables`` (which captures FP8, delayed scaling
+included, and keeps the amax/scale updates working across replays).
+
+Why: a TE block issues its kernels from Python (a few hundred microseconds of host work per
+module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A replayed graph
+costs the host one launch per block and direction.
+
+What stays outside the graphs: the embedding, the final norm, the LM head and the loss (the
+compiled loss is one call), the optimizer. The blocks' graphs are captured lazily at the first
+training step (they need its micro-batch shape) and are used only while the model trains with
+the FP8 state they were captured with; otherwise (validation, a BF16 fallback, another shape)
+the blocks run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from .te_support import te_module
+
+log = logging.getLogger(__name__)
+
+
+def fp8_state() -> tuple[bool, Any, Any]:
+    """TE's autocast state right now: (FP8 enabled, recipe, amax reduction group)."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    if not FP8GlobalStateManager.is_fp8_enabled():
+        return False, None, None
+    return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
+
+
+class BlockGraphs:
+    """The captured graphs of a model's blocks, and the switch between them and eager."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> None:
+        fp8, recipe, group = fp8_state()
+        blocks = tuple(model.blocks)
+        # One sample per block: the residual stream as the block receives it, and the RoPE tables.
+        samples = tuple((torch.randn_like(x).requires_grad_(True), *rope) for _ in blocks)
+        self.key = self.key_of(x, fp8)
+        self.blocks = blocks
+        block_call = type(blocks[0]).__call__
+        try:
+            # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
+            # re-casting a weight used twice in one forward, which a replay never does.
+            with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
+                te_module().make_graphed_callables(blocks, samples, num_warmup_iters=3,
+                                                   enabled=fp8, recipe=recipe,
+                                                   amax_reduction_group=group)
+        finally:
+            # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
+            type(blocks[0]).__call__ = block_call
+        # make_graphed_callables set each block's ``forward`` to its graphed version (TE falls
+        # back to the original one in eval mode); keep them, to switch per step.
+        self.graphed = [block.__dict__["forward"] for block in blocks]
+        self.active = True
+        # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
+        # ran); a replay runs no Python, so the capture's flags are put back on every switch.
+        self.fp8_flags = {m: m.fp8 for block in blocks for m in block.modules() if hasattr(m, "fp8")}
+
+    @staticmethod
+    def key_of(x: torch.Tensor, fp8: bool) -> tuple:
+        return tuple(x.shape), x.dtype, fp8
+
+    def use(self, on: bool) -> None:
+        """Replay the graphs (``on``) or run the blocks' own forward."""
+        if on == self.active:
+            return
+        for block, graphed in zip(self.blocks, self.graphed):
+            if on:
+                block.forward = graphed
+            else:
+                del block.forward  # the class's forward again
+        if on:
+            for module, flag in self.fp8_flags.items():
+                module.fp8 = flag
+        self.active = on
+
+    def matches(self, x: torch.Tensor) -> bool:
+        return self.key == self.key_of(x, fp8_state()[0])
+
+
+def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = ()
+                  ) -> tuple[bool, str]:
+    """Can the TE path train with CUDA graphs here, and why (not)."""
+    if device_type != "cuda":
+        return False, "CUDA graphs need a GPU"
+    if world_size > 1:
+        return False, ("several processes: the graphs would capture one rank's collectives; "
+                       "DDP/FSDP keep the eager blocks")
+    if any(type(c).__name__ == "FP8Stats" for c in callbacks):
+        return False, "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
+    return True, "one GPU"
+
+
+FAILED = "failed"  # prepare_graphs' result after a failed capture: never tried again
+
+
+def prepare_graphs(graphs: Any, model: nn.Module, x: torch.Tensor,
+                   rope: tuple[torch.Tensor, ...]) -> Any:
+    """Before a training forward: capture on first use, then replay only while the micro-batch
+    shape and the FP8 state are the ones captured (else eager for this step)."""
+    if graphs is FAILED:
+        return graphs
+    if graphs is None:
+        try:
+            graphs = BlockGraphs(model, x, rope)
+        except Exception as err:  # noqa: BLE001 - the step still runs, eagerly, and says why
+            for block in model.blocks:
+                block.__dict__.pop("forward", None)
+            message = (str(err).strip().splitlines() or [""])[0][:300]
+            log.warning("CUDA graphs: capture failed (%s: %s); training without them",
+                        type(err).__name__, message)
+            return FAILED
+        log.info("CUDA graphs: %d blocks captured for micro-batch %s (%s)", len(graphs.blocks),
+                 "x".join(map(str, x.shape[:2])), "FP8" if graphs.key[-1] else "BF16")
+    graphs.use(graphs.matches(x))
+    return graphs

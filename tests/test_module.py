@@ -1,0 +1,79 @@
+"""GPTLightningModule's training step: compiled or eager, the same losses; bench runs this step."""
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning import module as module_lib
+from fp8_lightning.bench import build_step, parse_variant
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.module import GPTLightningModule
+
+CONFIG = dict(name="tiny", vocab_size=512)  # the quickstart model, a small vocabulary
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(steps, **module_args):
+    L.seed_everything(0)
+    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch", warmup_steps=2,
+                                learning_rate=3e-3, **module_args)
+    starts = torch.randint(0, 512, (8 * steps, 1), generator=torch.Generator().manual_seed(1))
+    data = (starts + 7 * torch.arange(65)) % 512  # each next token is learnable: previous + 7
+    losses = Losses()
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[losses], gradient_clip_val=1.0)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    return module, losses.losses
+
+
+def test_compiled_training_has_the_eager_losses():
+    eager_module, eager = fit(6, compile=False)
+    assert eager_module.compiled is None  # and off by default on a CPU: see the next test
+    module, compiled = fit(6, compile=True)
+    assert module.compiled == "the whole model and its loss, one graph"
+    assert [n for n, _ in module.named_parameters()] == \
+        [n for n, _ in eager_module.named_parameters()]  # no _orig_mod. prefix
+    assert compiled[-1] < compiled[0]
+    assert compiled == pytest.approx(eager, rel=2e-3)
+    torch._dynamo.reset()
+
+
+def test_compile_is_off_by_default_on_a_cpu():
+    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch")
+    module.configure_model()
+    assert module.compiled is None
+
+
+def test_a_failing_compilation_falls_back_to_eager_with_the_reason(monkeypatch):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    def compile_broken(model):
+        model.compile(backend=broken_backend)
+        return "the whole model (a backend that fails)"
+
+    monkeypatch.setattr(module_lib, "compile_model", compile_broken)
+    with pytest.warns(UserWarning, match=r"torch.compile failed .*no C\+\+ compiler here.*training eagerly"):
+        module, losses = fit(3, compile=True)
+    assert module.compiled is None and len(losses) == 3 and all(map(torch.isfinite, map(torch.tensor, losses)))
+    torch._dynamo.reset()
+
+
+def test_bench_times_the_modules_training_step():
+    config = GPTConfig(**CONFIG)
+    step, plugin = build_step(parse_variant("torch-eager"), config, 2, 32,
+                              device=torch.device("cpu"))
+    module = step.module
+    assert isinstance(module, GPTLightningModule) and plugin is None and module.compiled is None
+    before = [p.detach().clone() for p in module.parameters()]
+    loss = step()
+    assert torch.isfinite(loss)
+    assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters()) if p.ndim == 2)
