@@ -55,14 +55,14 @@ class StepTimer(L.Callback):
         self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
 
 
-def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, same_batch=False,
+def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, skip_batches=0,
         **module_args):
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=n_layer),
                                 warmup_steps=10, lr_decay_steps=200, **module_args)
-    # same_batch: every step trains on the same 8 blocks, so a resumed run (a plain DataLoader
-    # restarts its epoch) sees what the uninterrupted one saw
-    data = blocks[:B].repeat(steps, 1) if same_batch else blocks.repeat(4, 1)
+    # skip_batches: a resumed run's plain DataLoader restarts its epoch; starting it where the
+    # checkpoint left off gives it the batches the uninterrupted run saw
+    data = blocks.repeat(4, 1)[skip_batches * B:]
     loader = torch.utils.data.DataLoader(data, batch_size=B, shuffle=False, drop_last=True)
     losses = Losses()
     trainer = L.Trainer(
@@ -88,24 +88,25 @@ def test_compiled_and_eager_fp8_agree_over_50_steps(tmp_path, blocks):
 
 
 def test_cuda_graph_path_trains_checkpoints_and_resumes(tmp_path, blocks):
-    trainer, full = fit(tmp_path / "full", blocks, 40, n_layer=4, same_batch=True)
+    trainer, full = fit(tmp_path / "full", blocks, 40, n_layer=4)
     module = trainer.lightning_module
     assert module._graphs is not None and module._graphs.active and module._graphs.key[-1]
     assert trainer.precision_plugin.fp8_active
-    trainer, first = fit(tmp_path / "first", blocks, 20, n_layer=4, same_batch=True)
+    trainer, first = fit(tmp_path / "first", blocks, 20, n_layer=4)
     ckpt = tmp_path / "at20.ckpt"
     trainer.save_checkpoint(ckpt)
-    trainer, resumed = fit(tmp_path / "resumed", blocks, 40, n_layer=4, same_batch=True,
+    trainer, resumed = fit(tmp_path / "resumed", blocks, 40, n_layer=4, skip_batches=20,
                            ckpt_path=str(ckpt))
     assert trainer.lightning_module._graphs.active
     assert trainer.precision_plugin.scaling_restored > 0
     print(f"\n[graphs resume] loss at 40: uninterrupted {full[40]:.4f}, resumed {resumed[40]:.4f}")
     assert full[40] < full[1] - 2
-    # The same curve within a few percent (the embedding's atomic adds make no two runs bitwise
-    # equal; memorising one batch amplifies that); a resume that lost weights, optimizer state or
-    # FP8 scales would be far off (the loss falls from ~11 to ~2.4 over these 40 steps).
-    assert all(abs(resumed[s] - full[s]) < 0.05 * full[s] for s in range(21, 41))
-    assert all(abs(first[s] - full[s]) < 0.05 * full[s] for s in range(1, 21))
+    # The same curve (the embedding's atomic adds make no two runs bitwise equal); a resume that
+    # lost weights, optimizer state or FP8 scales would be far off.
+    worst = max(abs(resumed[s] - full[s]) / full[s] for s in range(21, 41))
+    print(f"[graphs resume] worst relative gap over steps 21..40: {worst:.4f}")
+    assert worst < 0.02
+    assert all(abs(first[s] - full[s]) < 0.02 * full[s] for s in range(1, 21))
 
 
 def test_graphs_step_aside_for_bf16_fallback_and_return(tmp_path, blocks):
