@@ -76,11 +76,13 @@ class GPTLightningModule(L.LightningModule):
         betas: AdamW betas.
         cuda_graphs: replay each transformer block's forward and backward as a CUDA graph
             (TE backend, one GPU: :mod:`fp8_lightning.graphs`), captured at the first training
-            step. Default: on where that is measured to win (TE backend on one GPU).
+            step. Default: on where that is measured to win (TE backend on one GPU; DDP/FSDP2 and
+            FP8Stats run the blocks eagerly).
         compile: ``torch.compile`` the model for training (parameter names unchanged; see
-            :func:`~fp8_lightning.model.compile_model`). Default: on a GPU where it works, off on
-            a CPU (compilation costs more than a short CPU run saves). A compilation that fails
-            at the first step falls back to eager with the reason.
+            :func:`~fp8_lightning.model.compile_model`). Default: on one GPU where it works; off
+            on a CPU (compilation costs more than a short CPU run saves) and with several
+            processes (not yet verified under DDP/FSDP2). A compilation that fails at the first
+            step falls back to eager with the reason.
     """
 
     def __init__(self, config: Optional[GPTConfig] = None,
@@ -144,10 +146,14 @@ class GPTLightningModule(L.LightningModule):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         wanted = self.hparams.compile
         ok, reason = compile_status(device)
+        world = self._trainer.world_size if self._trainer is not None else 1
         if wanted is None:
-            wanted = ok and device == "cuda"
-            if not wanted:
-                reason = reason if not ok else "off by default on a CPU (model.compile: true)"
+            if ok and device != "cuda":
+                reason = "off by default on a CPU (model.compile: true)"
+            elif ok and world > 1:  # compiled regions under DDP/FSDP2: not run on a GPU yet
+                reason = ("off by default with several processes (DDP/FSDP2): not yet verified "
+                          "there; model.compile: true to try it")
+            wanted = ok and device == "cuda" and world == 1
         elif wanted and not ok:
             rank_zero_warn(f"model.compile=true but {reason}; training eagerly")
             wanted = False
