@@ -38,12 +38,17 @@ def fp8_state() -> tuple[bool, Any, Any]:
 class BlockGraphs:
     """The captured graphs of a model's blocks, and the switch between them and eager."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, model: nn.Module, batch_shape: tuple[int, int]) -> None:
         fp8, recipe, group = fp8_state()
         blocks = tuple(model.blocks)
-        # One sample per block: the residual stream as the block receives it, and the RoPE tables.
-        samples = tuple((torch.randn_like(x).requires_grad_(True), *rope) for _ in blocks)
-        self.key = self.key_of(x, fp8)
+        B, T = batch_shape
+        weight = model.wte.weight  # the residual stream has the embedding's dtype and device
+        # One sample per block: the residual stream (B, T, C) as the block receives it, and the
+        # RoPE tables (the same tensors every step, so a replay copies nothing for them).
+        samples = tuple((torch.randn(B, T, weight.shape[1], dtype=weight.dtype,
+                                     device=weight.device, requires_grad=True), *model.rope(T))
+                        for _ in blocks)
+        self.key = self.key_of(batch_shape, fp8)
         self.blocks = blocks
         block_call = type(blocks[0]).__call__
         try:
@@ -66,8 +71,8 @@ class BlockGraphs:
         self.fp8_flags = {m: m.fp8 for block in blocks for m in block.modules() if hasattr(m, "fp8")}
 
     @staticmethod
-    def key_of(x: torch.Tensor, fp8: bool) -> tuple:
-        return tuple(x.shape), x.dtype, fp8
+    def key_of(batch_shape: tuple[int, int], fp8: bool) -> tuple:
+        return tuple(batch_shape), fp8
 
     def use(self, on: bool) -> None:
         """Replay the graphs (``on``) or run the blocks' own forward."""
@@ -83,8 +88,8 @@ class BlockGraphs:
                 module.fp8 = flag
         self.active = on
 
-    def matches(self, x: torch.Tensor) -> bool:
-        return self.key == self.key_of(x, fp8_state()[0])
+    def matches(self, batch_shape: tuple[int, int]) -> bool:
+        return self.key == self.key_of(batch_shape, fp8_state()[0])
 
 
 def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = ()
@@ -103,15 +108,14 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = ()
 FAILED = "failed"  # prepare_graphs' result after a failed capture: never tried again
 
 
-def prepare_graphs(graphs: Any, model: nn.Module, x: torch.Tensor,
-                   rope: tuple[torch.Tensor, ...]) -> Any:
+def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int]) -> Any:
     """Before a training forward: capture on first use, then replay only while the micro-batch
     shape and the FP8 state are the ones captured (else eager for this step)."""
     if graphs is FAILED:
         return graphs
     if graphs is None:
         try:
-            graphs = BlockGraphs(model, x, rope)
+            graphs = BlockGraphs(model, batch_shape)
         except Exception as err:  # noqa: BLE001 - the step still runs, eagerly, and says why
             for block in model.blocks:
                 block.__dict__.pop("forward", None)
@@ -120,6 +124,6 @@ def prepare_graphs(graphs: Any, model: nn.Module, x: torch.Tensor,
                         type(err).__name__, message)
             return FAILED
         log.info("CUDA graphs: %d blocks captured for micro-batch %s (%s)", len(graphs.blocks),
-                 "x".join(map(str, x.shape[:2])), "FP8" if graphs.key[-1] else "BF16")
-    graphs.use(graphs.matches(x))
+                 "x".join(map(str, batch_shape)), "FP8" if graphs.key[-1] else "BF16")
+    graphs.use(graphs.matches(batch_shape))
     return graphs

@@ -165,8 +165,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if self.config.position == "learned":
-            return x + self.wpe(torch.arange(T, device=idx.device)), ()
-        return x, (self.rope_cos[:T], self.rope_sin[:T])
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        return x, self.rope(T)
+
+    def rope(self, T: int) -> tuple[torch.Tensor, ...]:
+        """The blocks' RoPE tables for T positions (cos, sin: (T, hs)); empty with learned ones."""
+        return () if self.config.position == "learned" else (self.rope_cos[:T], self.rope_sin[:T])
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters (tied weights once); ``non_embedding`` leaves out wte/wpe as in GPT-2."""

@@ -190,13 +190,7 @@ class GPTLightningModule(L.LightningModule):
         if self.training and self._use_graphs():
             from .graphs import prepare_graphs
 
-            B, T = x.shape
-            model = self.model
-            stream = torch.empty(B, T, self.config.n_embd, dtype=model.wte.weight.dtype,
-                                 device=x.device)  # (B, T, C) what the first block receives
-            rope = () if self.config.position == "learned" else (model.rope_cos[:T],
-                                                                 model.rope_sin[:T])
-            self._graphs = prepare_graphs(self._graphs, model, stream, rope)
+            self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape))
         if self.compiled and not self._compile_checked:
             try:
                 loss = self.model(x, y)

@@ -6,9 +6,11 @@ import hashlib
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 
 
@@ -113,3 +115,19 @@ class RankDigest(Callback):
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, f"rank{trainer.global_rank}.txt"), "w") as f:
             f.write(h.hexdigest())
+
+
+class StepTimer(Callback):
+    """ms per optimizer step from step `start` to the end (GPU tests): two syncs in all."""
+
+    def __init__(self, start):
+        self.start, self.t0, self.ms = start, None, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.start:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+    def on_train_end(self, trainer, module):
+        torch.cuda.synchronize()
+        self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)

@@ -4,8 +4,6 @@
 CUDA/TE). GPT-2 124M on the embedded corpus, FP8 delayed scaling.
 """
 
-import time
-
 import lightning as L
 import pytest
 import torch
@@ -18,6 +16,8 @@ from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.safety import NaNGuard
 from fp8_lightning.monitor import TrainingMonitor
 from fp8_lightning.tokenizer import get_tokenizer
+
+from tests.helpers import StepTimer
 
 pytestmark = pytest.mark.gpu
 
@@ -37,22 +37,6 @@ class Losses(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = outputs["loss"]  # a tensor: no sync per step
-
-
-class StepTimer(L.Callback):
-    """ms per optimizer step from step `start` to the end: two syncs in all."""
-
-    def __init__(self, start):
-        self.start, self.t0, self.ms = start, None, None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == self.start:
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, module):
-        torch.cuda.synchronize()
-        self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
 
 
 def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, skip_batches=0,

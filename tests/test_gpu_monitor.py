@@ -5,7 +5,6 @@ CUDA/TE). They print a real console excerpt and the measured monitoring overhead
 """
 
 import re
-import time
 
 import lightning as L
 import pytest
@@ -20,6 +19,8 @@ from fp8_lightning.fp8_stats import AMAX, SCALE, FP8Stats
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 
+from tests.helpers import StepTimer
+
 pytestmark = pytest.mark.gpu
 
 B, T = 8, 1024
@@ -33,22 +34,6 @@ def blocks():
     ids = torch.tensor(get_tokenizer("gpt2").encode(EMBEDDED_CORPUS.read_text()))
     n = ids.numel() // (T + 1)
     return ids[: n * (T + 1)].view(n, T + 1)
-
-
-class StepTimer(L.Callback):
-    """ms per optimizer step between step `start` and the end: two syncs in all."""
-
-    def __init__(self, start):
-        self.start, self.t0, self.ms = start, None, None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == self.start:
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, module):
-        torch.cuda.synchronize()
-        self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
 
 
 def fit(tmp_path, blocks, steps, callbacks, val=False, recipe="delayed"):
