@@ -592,10 +592,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Bar chart of tokens/s per variant (speedup vs the baseline on each bar)."""
-    import matplotlib
+    from .compare import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench's plot (bench.png)")
 
     ran = [r for r in report["results"] if r["status"] == "ran"]
     fig, ax = plt.subplots(figsize=(8, 0.5 * max(len(ran), 1) + 1.5))
@@ -700,8 +699,8 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    if ran:
-        plot(report, out / "bench.png")
     print(format_table(report))
+    if ran:  # after the table: without matplotlib (the [plots] extra) it still shows
+        plot(report, out / "bench.png")
     print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if ran else ""))
     return report

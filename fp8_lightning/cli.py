@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,checkpoints,generate,compare,bench,doctor} ...``.
+"""Command line: ``python -m fp8_lightning {fit,validate,test,predict,prepare,checkpoints,generate,compare,convert,bench,doctor} ...``.
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI (configs, ``--print_config``, dotted
 overrides such as ``--trainer.max_steps 30``). The other subcommands are plain functions whose
@@ -310,9 +310,47 @@ def generate_command(argv: list[str]) -> None:
 
 
 def compare_command(argv: list[str]) -> None:
-    from .compare import main as compare_main
+    from .compare import compare
 
-    compare_main(argv)
+    # `compare RUN_DIR ... --labels A B ...` (positional runs, several labels after one flag) as
+    # well as jsonargparse's own `--run_dirs+ RUN_DIR` / `--labels [A,B]`.
+    args: list[str] = []
+    flag: Optional[str] = None  # the option whose value comes next
+    for arg in argv:
+        if arg.startswith("-"):
+            arg = "--output" if arg == "-o" else arg
+            flag = arg if "=" not in arg and arg not in ("-h", "--help") else None
+            args += [] if arg == "--labels" else [arg]
+        elif flag == "--labels":  # it takes every value that follows
+            args += ["--labels+", arg]
+        elif flag:
+            args.append(arg)
+            flag = None
+        else:
+            args += ["--run_dirs+", arg]
+    if not any(a.startswith(("--run_dirs", "-h", "--help")) for a in args):
+        raise UsageError(f"compare needs at least one RUN_DIR (options: {PROG} compare --help)")
+    _run_function(compare, args)
+
+
+def convert_command(argv: list[str]) -> None:
+    from .hf import convert
+
+    # `convert --from-hf DIR OUT.ckpt` / `--to-hf CKPT DIR`: dashes as the README spells them,
+    # and the output as the one positional argument.
+    argv = [a.replace("--from-hf", "--from_hf").replace("--to-hf", "--to_hf") for a in argv]
+    flags, positional, i = [], [], 0
+    while i < len(argv):
+        if argv[i].startswith("-"):
+            flags += argv[i:i + 1] if "=" in argv[i] else argv[i:i + 2]
+            i += 1 if "=" in argv[i] else 2
+        else:
+            positional.append(argv[i])
+            i += 1
+    if len(positional) > 1:
+        raise UsageError(f"convert takes one output (got {', '.join(positional)}); e.g. convert "
+                         "--from-hf DIR OUT.ckpt or convert --to-hf CKPT DIR")
+    _run_function(convert, (["--output", positional[0]] if positional else []) + flags)
 
 
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
@@ -323,6 +361,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "doctor": doctor_command,
     "generate": generate_command,
     "compare": compare_command,
+    "convert": convert_command,
 }
 
 

@@ -1,9 +1,19 @@
 """``python -m fp8_lightning compare RUN_DIR RUN_DIR [...]``: the FP8-vs-BF16 comparison.
 
-Reads the TensorBoard event files of each run (the scalars ``TrainingMonitor`` and the
-LightningModule write, see :mod:`fp8_lightning.monitor`), writes one PNG (loss against tokens
-seen, throughput against tokens seen) and prints a table: final and minimum training loss, final
-validation loss and its gap to the first run's, mean tok/s and the speedup over the first run.
+Reads each run's logs, TensorBoard event files or a CSVLogger's ``metrics.csv`` (the scalars
+``TrainingMonitor`` and the LightningModule write, see :mod:`fp8_lightning.monitor`), prints a
+table and writes one PNG:
+
+* **final loss**: the console's last line, the mean training loss over that line's window
+  (``train/loss_mean``, computed once by the monitor); **min loss** the lowest such line.
+  Logs written before that scalar existed fall back to the last logged micro-batch (a note says so).
+* **tok/s**: the median over the log windows, leaving out the first (warm-up, compilation) and
+  those that held a validation or a checkpoint save (``throughput/paused``). **speedup**: the ratio
+  of medians to the first run's; within the runs' combined per-window spread it is reported as
+  indistinguishable (within noise ±x%).
+* The PNG: loss vs tokens seen (millions) with validation points marked, the difference of every
+  run's loss to the first run's (so identical runs show as a flat line, not as one curve hiding
+  another), the last part of the loss enlarged, and throughput (paused windows left out).
 
 A RUN_DIR is a run's ``default_root_dir``, its ``lightning_logs`` or one ``version_N`` folder;
 where it holds several versions the newest is used (and the choice is printed).
@@ -11,16 +21,44 @@ where it holds several versions the newest is used (and the choice is printed).
 
 from __future__ import annotations
 
-import argparse
+import csv
+import json
+import logging
+import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from .monitor import (FP8_ACTIVE, PRECISION_TEXT, TOKENS_PER_SEC, TOKENS_SEEN, TRAIN_LOSS,
-                      VAL_LOSS)
+from .config import ConfigError
+from .monitor import (FP8_ACTIVE, PAUSED, PRECISION_TEXT, TEXT_FILE, TOKENS_PER_SEC, TOKENS_SEEN,
+                      TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS)
 
 Series = list[tuple[int, float]]  # (step, value)
+EVENTS = "events.out.tfevents.*"
+METRICS_CSV = "metrics.csv"  # CSVLogger's file
+PLOTS_EXTRA = 'pip install "fp8-lightning[plots]"'
+
+
+class MissingExtraError(ConfigError):
+    """An optional dependency a command needs is not installed (one ``error:`` line)."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.problems = [message]
+
+
+def pyplot(what: str) -> Any:
+    """``matplotlib.pyplot`` on the file backend; a one-line error naming the extra without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtraError(f"{what} needs matplotlib: {PLOTS_EXTRA}") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 @dataclass
@@ -49,17 +87,28 @@ class Run:
         return [float(o if s <= xs[-1] else ys[-1] + (s - xs[-1]) * per_step)
                 for s, o in zip(steps, out)]
 
+    @property
+    def loss_tag(self) -> str:
+        """The console line's loss where logged, else (older logs) the logged micro-batch."""
+        return TRAIN_LOSS_MEAN if self.series(TRAIN_LOSS_MEAN) else TRAIN_LOSS
+
+
+# ----------------------------------------------------------------------------- reading
+def _log_files(folder: Path) -> list[Path]:
+    return [*folder.glob(EVENTS), *folder.glob(METRICS_CSV)]
+
 
 def find_log_dir(run_dir: str) -> tuple[Path, str]:
-    """The folder with the TensorBoard events of ``run_dir`` (the newest version if several)."""
+    """The folder with the logs of ``run_dir`` (the newest version if several)."""
     root = Path(run_dir).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"run directory {str(root)!r} does not exist")
-    folders = sorted({p.parent for p in root.rglob("events.out.tfevents.*")},
-                     key=lambda d: max(f.stat().st_mtime for f in d.glob("events.out.tfevents.*")))
+    found = {p.parent for pattern in (EVENTS, METRICS_CSV) for p in root.rglob(pattern)}
+    folders = sorted(found, key=lambda d: max(f.stat().st_mtime for f in _log_files(d)))
     if not folders:
-        raise FileNotFoundError(f"no TensorBoard event files under {str(root)!r} (a run's "
-                                "default_root_dir or its lightning_logs/version_N)")
+        raise FileNotFoundError(f"no TensorBoard event files under {str(root)!r} and no CSVLogger "
+                                f"{METRICS_CSV} (give a run's default_root_dir or its "
+                                "lightning_logs/version_N)")
     note = ""
     if len(folders) > 1:
         note = (f"{root}: {len(folders)} logged runs, using the newest "
@@ -67,14 +116,14 @@ def find_log_dir(run_dir: str) -> tuple[Path, str]:
     return folders[-1], note
 
 
-def read_run(run_dir: str, label: Optional[str] = None) -> Run:
+def _read_tensorboard(run: Run) -> Optional[str]:
+    """Scalars into ``run``; the last ``run/precision`` text, if any."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log_dir, note = find_log_dir(run_dir)
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its INFO lines are noise here
+    acc = EventAccumulator(str(run.log_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()
-    run = Run(label or run_dir, log_dir, note=note)
     for tag in tags.get("scalars", []):
         by_step: dict[int, float] = {}
         for event in acc.Scalars(tag):
@@ -84,9 +133,47 @@ def read_run(run_dir: str, label: Optional[str] = None) -> Run:
     if text_tag in tags.get("tensors", []):
         events = acc.Tensors(text_tag)
         if events and events[-1].tensor_proto.string_val:
-            text = events[-1].tensor_proto.string_val[0].decode("utf-8", "replace")
-            # "BF16 (fallback: <long reason>)" -> "BF16 (fallback)"; the reason is in the logs
-            run.precision = text.split(" (")[0] + (" (fallback)" if "fallback" in text else "")
+            return events[-1].tensor_proto.string_val[0].decode("utf-8", "replace")
+    return None
+
+
+def _read_csv(run: Run) -> Optional[str]:
+    """A CSVLogger's ``metrics.csv`` into ``run``; the last ``run/precision`` of ``text.jsonl``."""
+    by_tag: dict[str, dict[int, float]] = {}
+    with open(run.log_dir / METRICS_CSV, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            try:
+                step = int(float(row.get("step") or ""))
+            except ValueError:
+                continue
+            for tag, value in row.items():
+                if tag in ("step", None) or value in ("", None):
+                    continue
+                try:
+                    by_tag.setdefault(tag, {})[step] = float(value)
+                except ValueError:
+                    continue
+    run.scalars = {tag: sorted(values.items()) for tag, values in by_tag.items()}
+    text = None
+    path = run.log_dir / TEXT_FILE
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("tag") == PRECISION_TEXT:
+                text = str(entry.get("text"))
+    return text
+
+
+def read_run(run_dir: str, label: Optional[str] = None) -> Run:
+    log_dir, note = find_log_dir(run_dir)
+    run = Run(label or run_dir, log_dir, note=note)
+    text = _read_tensorboard(run) if any(log_dir.glob(EVENTS)) else _read_csv(run)
+    if text:
+        # "BF16 (fallback: <long reason>)" -> "BF16 (fallback)"; the reason is in the logs
+        run.precision = text.split(" (")[0] + (" (fallback)" if "fallback" in text else "")
     elif run.series(FP8_ACTIVE):
         active = [v for _, v in run.series(FP8_ACTIVE)]
         run.precision = "FP8" if sum(active) / len(active) > 0.5 else "BF16"
@@ -97,12 +184,51 @@ def read_run(run_dir: str, label: Optional[str] = None) -> Run:
     return run
 
 
-def mean_throughput(run: Run) -> Optional[float]:
-    """Mean tok/s over the log points, the first (warm-up, compilation) left out when possible."""
-    values = [v for _, v in run.series(TOKENS_PER_SEC)]
-    if len(values) > 1:
-        values = values[1:]
-    return sum(values) / len(values) if values else None
+# ----------------------------------------------------------------------------- numbers
+@dataclass
+class Throughput:
+    median: float
+    spread: Optional[float]  # relative per-window spread (robust standard deviation / median)
+    windows: int  # windows used
+
+
+def throughput_windows(run: Run) -> Series:
+    """Per-window tok/s without the first window (warm-up, compilation) and without windows that
+    held a validation or a checkpoint save (``throughput/paused``; logs without it: the window
+    after each validation)."""
+    points = run.series(TOKENS_PER_SEC)[1:]
+    paused = dict(run.series(PAUSED))
+    if paused:
+        return [(s, v) for s, v in points if paused.get(s, 0.0) < 0.5]
+    vals = [s for s, _ in run.series(VAL_LOSS)]
+    out, prev = [], run.series(TOKENS_PER_SEC)[0][0] if points else 0
+    for s, v in points:
+        if not any(prev <= val <= s for val in vals):
+            out.append((s, v))
+        prev = s
+    return out
+
+
+def throughput(run: Run) -> Optional[Throughput]:
+    values = [v for _, v in throughput_windows(run)]
+    if not values:
+        return None
+    center = statistics.median(values)
+    spread = None
+    if len(values) >= 3 and center > 0:
+        # 1.4826 x the median absolute deviation: the standard deviation for normal noise, and
+        # robust to the odd slow window (another process, a data-loader hiccup).
+        spread = 1.4826 * statistics.median(abs(v - center) for v in values) / center
+    return Throughput(center, spread, len(values))
+
+
+def speedup(base: Optional[Throughput], run: Optional[Throughput]) -> tuple[Optional[float], Optional[float]]:
+    """(ratio of median tok/s, noise): noise is the runs' combined relative spread."""
+    if base is None or run is None or base.median <= 0:
+        return None, None
+    noise = (math.hypot(base.spread, run.spread)
+             if base.spread is not None and run.spread is not None else None)
+    return run.median / base.median, noise
 
 
 def _last(run: Run, tag: str) -> Optional[float]:
@@ -110,33 +236,51 @@ def _last(run: Run, tag: str) -> Optional[float]:
     return values[-1][1] if values else None
 
 
+def final_loss(run: Run) -> Optional[float]:
+    """The console's final loss: the last line's mean over its window (``train/loss_mean``)."""
+    return _last(run, run.loss_tag)
+
+
 def summary(runs: list[Run]) -> list[dict[str, object]]:
     """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
-    base = mean_throughput(runs[0]) if runs else None
+    base = throughput(runs[0]) if runs else None
     base_val = _last(runs[0], VAL_LOSS) if runs else None
     for run in runs:
-        loss = [v for _, v in run.series(TRAIN_LOSS)]
-        tps = mean_throughput(run)
+        loss = [v for _, v in run.series(run.loss_tag)]
+        tps = throughput(run)
+        ratio, noise = speedup(base, tps)
         final_val = _last(run, VAL_LOSS)
         rows.append({
             "run": run.label, "precision": run.precision,
-            "final loss": loss[-1] if loss else None, "min loss": min(loss) if loss else None,
+            "final loss": final_loss(run), "min loss": min(loss) if loss else None,
             "final val loss": final_val,
             "val gap": (final_val / base_val - 1) if final_val and base_val else None,
-            "mean tok/s": tps, "speedup": (tps / base) if tps and base else None,
+            "tok/s": tps.median if tps else None, "speedup": ratio, "noise": noise,
         })
     return rows
 
 
+def speedup_text(ratio: Optional[float], noise: Optional[float], first: bool = False) -> str:
+    if ratio is None:
+        return "n/a"
+    if first:
+        return f"{ratio:.2f}x"
+    if noise is None:
+        return f"{ratio:.2f}x (too few windows to judge noise)"
+    if abs(ratio - 1) <= noise:
+        return f"{ratio:.2f}x: indistinguishable (within noise ±{100 * noise:.1f}%)"
+    return f"{ratio:.2f}x (noise ±{100 * noise:.1f}%)"
+
+
 def format_table(rows: list[dict[str, object]]) -> str:
-    def cell(key: str, value: object) -> str:
+    def cell(key: str, value: object, row: dict[str, object], first: bool) -> str:
+        if key == "speedup":
+            return speedup_text(value, row.get("noise"), first)  # type: ignore[arg-type]
         if value is None:
             return "n/a"
-        if key == "mean tok/s":
+        if key == "tok/s":
             return f"{value:,.0f}"
-        if key == "speedup":
-            return f"{value:.2f}x"
         if key == "val gap":
             return f"{100 * value:+.2f}%"
         if isinstance(value, float):
@@ -145,44 +289,124 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
     if not rows:
         return ""
-    keys = list(rows[0])
-    cells = [[cell(k, row[k]) for k in keys] for row in rows]
+    keys = [k for k in rows[0] if k != "noise"]
+    cells = [[cell(k, row[k], row, i == 0) for k in keys] for i, row in enumerate(rows)]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    left = {"run", "precision"}
+    left = {"run", "precision", "speedup"}
 
     def line(values: list[str]) -> str:
         return " | ".join(v.ljust(w) if k in left else v.rjust(w)
-                          for k, v, w in zip(keys, values, widths))
+                          for k, v, w in zip(keys, values, widths)).rstrip()
 
     return "\n".join([line(keys), "-+-".join("-" * w for w in widths)] + [line(c) for c in cells])
 
 
+def legend(runs: list[Run]) -> str:
+    """What the table's columns are, below it."""
+    old = [r.label for r in runs if not r.series(TRAIN_LOSS_MEAN)]
+    loss = "final/min loss: the console line's loss (mean over the steps since the previous line)"
+    if old:
+        loss += (f"; {'all runs' if len(old) == len(runs) else ', '.join(old)}: the logged "
+                 "micro-batch (logs written before train/loss_mean)")
+    return (f"{loss}\ntok/s: median over the log windows without warm-up, validation or "
+            f"checkpoint saves; speedup: vs {runs[0].label}, indistinguishable within the runs' "
+            "combined per-window spread")
+
+
+# ----------------------------------------------------------------------------- the figure
+STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def _tokens_unit(runs: list[Run]) -> tuple[float, str]:
+    most = max((v for r in runs for _, v in r.series(TOKENS_SEEN)), default=0.0)
+    return (1e6, "millions") if most >= 1e6 else (1e3, "thousands")
+
+
+def _running_median(values: list[float], width: int = 5) -> list[float]:
+    half = width // 2
+    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+
+
 def plot(runs: list[Run], output: str) -> Path:
-    import matplotlib
+    import numpy as np
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("compare's plot")
+    from matplotlib.ticker import FuncFormatter, ScalarFormatter
 
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(13, 4.8))
+    scale, unit = _tokens_unit(runs)
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    (ax_loss, ax_diff), (ax_zoom, ax_tps) = axes
+    base = runs[0]
+    base_loss = base.series(base.loss_tag)
+    base_x = np.array(base.tokens_at([s for s, _ in base_loss])) / scale
+    base_y = np.array([v for _, v in base_loss])
+    base_val = dict(base.series(VAL_LOSS))
+    last_x = 0.0
     for i, run in enumerate(runs):
-        color = f"C{i % 10}"
+        color, style, marker = f"C{i % 10}", STYLES[i % len(STYLES)], MARKERS[i % len(MARKERS)]
         name = f"{run.label} ({run.precision})"
-        for tag, style, suffix in ((TRAIN_LOSS, "-", "train"), (VAL_LOSS, "o--", "val")):
-            points = run.series(tag)
-            if points:
-                tokens = run.tokens_at([s for s, _ in points])
-                ax_loss.plot(tokens, [v for _, v in points], style, color=color,
-                             label=f"{name} {suffix}", markersize=4, linewidth=1.2)
-        points = run.series(TOKENS_PER_SEC)
-        if points:
-            ax_tps.plot(run.tokens_at([s for s, _ in points]), [v for _, v in points], "-",
-                        color=color, label=name)
-    ax_loss.set(xlabel="tokens seen", ylabel="loss", title="loss vs tokens")
-    ax_tps.set(xlabel="tokens seen", ylabel="tokens / s", title="throughput")
-    for ax in (ax_loss, ax_tps):
+        loss = run.series(run.loss_tag)
+        x = np.array(run.tokens_at([s for s, _ in loss])) / scale
+        y = np.array([v for _, v in loss])
+        val = run.series(VAL_LOSS)
+        val_x = np.array(run.tokens_at([s for s, _ in val])) / scale
+        val_y = np.array([v for _, v in val])
+        every = max(1, len(x) // 12)
+        # wider lines under narrower ones: overlapping runs stay visible
+        width = 1.0 + 1.2 * (len(runs) - 1 - i) / max(1, len(runs) - 1)
+        val_size = 11 - 5 * i / max(1, len(runs) - 1)
+        for ax in (ax_loss, ax_zoom):
+            if len(x):
+                ax.plot(x, y, style, color=color, linewidth=width, marker=marker, markevery=every,
+                        markersize=4, label=f"{name} train")
+            if len(val_x):  # the first run's markers largest: identical points stay visible
+                ax.plot(val_x, val_y, marker, color=color, markersize=val_size, markerfacecolor="none",
+                        markeredgewidth=1.5, linestyle="none", label=f"{name} val")
+        if len(x):
+            last_x = max(last_x, float(x[-1]))
+        if i and len(x) and len(base_x):
+            diff = y - np.interp(x, base_x, base_y, left=np.nan, right=np.nan)
+            ax_diff.plot(x, diff, style, color=color, linewidth=width, marker=marker,
+                         markevery=every, markersize=4, label=f"{name} train")
+            common = [(vx, v - base_val[s]) for (s, v), vx in zip(val, val_x) if s in base_val]
+            if common:
+                ax_diff.plot(*zip(*common), marker, color=color, markersize=val_size,
+                             markerfacecolor="none", markeredgewidth=1.5, linestyle="none",
+                             label=f"{name} val")
+        windows = throughput_windows(run)
+        if windows:
+            tx = np.array(run.tokens_at([s for s, _ in windows])) / scale
+            tv = [v for _, v in windows]
+            ax_tps.plot(tx, tv, marker, color=color, markersize=3, alpha=0.35, linestyle="none")
+            ax_tps.plot(tx, _running_median(tv), style, color=color, linewidth=width, label=name)
+    ax_diff.axhline(0.0, color="C0", linewidth=1.0)
+    train = ("train: the console line's mean" if all(r.series(TRAIN_LOSS_MEAN) for r in runs)
+             else "train: the logged micro-batch")
+    ax_loss.set(ylabel="loss", title=f"loss vs tokens ({train}; validation: open markers)")
+    ax_diff.set(ylabel=f"loss - {base.label}'s", title=f"difference to {base.label}")
+    ax_zoom.set(ylabel="loss", title="the last 30% of the run")
+    ax_tps.set(ylabel="tokens / s", title="throughput: log windows without warm-up, validation or "
+               "checkpoint\n(dots), their 5-window running median (line)")
+    if last_x > 0:  # the zoom's y range: what lies in its x range
+        start = 0.7 * last_x
+        ax_zoom.set_xlim(start, last_x * 1.01)
+        in_view = [v for r in runs for tag in (r.loss_tag, VAL_LOSS) for (s, v), t in
+                   zip(r.series(tag), r.tokens_at([s for s, _ in r.series(tag)])) if t / scale >= start]
+        if in_view:
+            low, high = min(in_view), max(in_view)
+            pad = 0.05 * (high - low) or 0.01 * abs(high) or 0.01
+            ax_zoom.set_ylim(low - pad, high + pad)
+    for ax in axes.flat:
+        ax.set_xlabel(f"tokens seen ({unit})")
         ax.grid(alpha=0.3)
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers: no "1e7" offset or exponent
+            formatter = ScalarFormatter(useOffset=False)
+            formatter.set_scientific(False)
+            axis.set_major_formatter(formatter)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
+    ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     fig.tight_layout()
     path = Path(output).expanduser()
     if not path.suffix:  # matplotlib would write NAME.png: name the file that is written
@@ -193,18 +417,27 @@ def plot(runs: list[Run], output: str) -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- the command
 def compare(run_dirs: list[str], output: str = "compare.png",
             labels: Optional[list[str]] = None) -> tuple[list[dict[str, object]], Path]:
-    """Read the runs, write the PNG, return the table rows and the PNG's path."""
-    if not run_dirs:
-        raise FileNotFoundError("compare needs at least one RUN_DIR")
-    if labels and len(labels) != len(run_dirs):
-        from .config import ConfigError
+    """Compare runs from their logs (TensorBoard or CSV): compare RUN_DIR [RUN_DIR ...]
+    [--labels A [B ...]] [--output PNG]; the first run is the baseline.
 
+    Prints final/min loss (the console line's), final val loss and its gap to the first run,
+    median tok/s and the speedup over the first run (or that it is within noise); writes loss vs
+    tokens, the difference to the first run, the last part enlarged and throughput to ``output``.
+
+    Args:
+        run_dirs: RUN_DIR ...: each a run's default_root_dir, lightning_logs or version_N folder
+            (TensorBoard or CSVLogger logs; the first run is the baseline).
+        output: the PNG.
+        labels: a label per run (default: the RUN_DIRs).
+    """
+    if not run_dirs:
+        raise ConfigError(["give at least one RUN_DIR"], "compare")
+    if labels and len(labels) != len(run_dirs):
         raise ConfigError([f"{len(labels)} labels for {len(run_dirs)} runs"], "compare")
     if Path(output).expanduser().is_dir():
-        from .config import ConfigError
-
         raise ConfigError([f"--output {output!r} is a directory; give a file name such as "
                            f"{str(Path(output) / 'compare.png')!r}"], "compare")
     runs = [read_run(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
@@ -212,32 +445,8 @@ def compare(run_dirs: list[str], output: str = "compare.png",
         if run.note:
             print(f"note: {run.note}", file=sys.stderr)
     rows = summary(runs)
-    return rows, plot(runs, output)
-
-
-class _Parser(argparse.ArgumentParser):
-    """One ``error:`` line (printed by ``cli.main``), no usage dump, no abbreviated options."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        from .config import UsageError
-
-        raise UsageError(f"{message} (options: {self.prog} --help)")
-
-
-def main(argv: list[str]) -> None:
-    parser = _Parser(
-        allow_abbrev=False, prog="python -m fp8_lightning compare",
-        description="Compare runs from their TensorBoard logs: a PNG of loss vs tokens and "
-                    "throughput, and a table (final/min loss, final val loss, mean tok/s, "
-                    "speedup vs the first run).")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="a run's default_root_dir, lightning_logs or version_N folder")
-    parser.add_argument("--output", "-o", default="compare.png", help="the PNG (default: %(default)s)")
-    parser.add_argument("--labels", nargs="+", default=None, help="a label per run")
-    args = parser.parse_args(argv)
-    import logging
-
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its INFO lines are noise here
-    rows, path = compare(args.run_dirs, args.output, args.labels)
     print(format_table(rows))
+    print(legend(runs))
+    path = plot(runs, output)  # after the table: without matplotlib the numbers still show
     print(f"plot: {path}")
+    return rows, path

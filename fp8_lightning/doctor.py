@@ -34,11 +34,13 @@ from .config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
 from .fp8 import RECIPES, bf16_module_names, build_recipe_config, make_te_recipe, \
     recipe_available
 from .model import GPT
-from .te_support import MIN_FP8_CAPABILITY, fallback_precision, te_module, te_status
+from .te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
+                         te_status)
 
 EXIT_OK, EXIT_FP8_UNUSABLE, EXIT_BAD_CONFIG = 0, 1, 2
 FP8_NEEDS = (f"FP8 needs an NVIDIA GPU with compute capability >= {MIN_FP8_CAPABILITY[0]}."
-             f"{MIN_FP8_CAPABILITY[1]} (Ada, Hopper, Blackwell) and TransformerEngine")
+             f"{MIN_FP8_CAPABILITY[1]} (Ada, Hopper, Blackwell) and TransformerEngine >= "
+             f"{TE_MIN_VERSION}")
 
 
 def _say(text: str = "") -> None:

@@ -4,8 +4,10 @@
   accept misspelled keywords; this does not).
 * :func:`bf16_module_names` is the layer policy: the one place that decides which modules stay
   BF16 (LM head, first/last N blocks, any GEMM whose dims FP8 cannot take).
-* :class:`FP8Precision` owns ``te.autocast``, the recipe, the FP8-active switch, its history and
-  the FP8 scaling state in checkpoints, and falls back to BF16 with a reason.
+* :class:`FP8PrecisionBase` owns ``te.autocast``, the recipe, the FP8-active switch, its history
+  and the FP8 scaling state in checkpoints, and falls back to BF16 with a reason. Two thin forms
+  drive it: :class:`FP8Precision` for the Lightning Trainer, and
+  :class:`~fp8_lightning.fabric.FabricFP8Precision` for ``lightning.Fabric``.
 
 Checkpoint policy for FP8 scaling state (TE >= 2.18 refuses to unpickle ``_extra_state`` without
 ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``): this plugin never writes pickles. When it saves, every
@@ -25,6 +27,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Generator, Literal, Optional
 
 import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
@@ -179,8 +182,17 @@ class FP8UnavailableError(RuntimeError):
     """FP8 was required (``on_unavailable: error``) but cannot run here; the message says why."""
 
 
-class FP8Precision(Precision):
-    """FP8 training with TransformerEngine, falling back to BF16 with a reason.
+class FP8PrecisionBase(FabricPrecision):
+    """FP8 training with TransformerEngine, falling back to BF16 with a reason: the logic that
+    :class:`FP8Precision` (Trainer) and ``FabricFP8Precision`` (Fabric) share. Use one of those.
+
+    Why two classes and not one: Lightning's two ``Precision`` bases give the same hook names
+    different signatures (the Trainer's ``pre_backward``/``backward``/``post_backward``/
+    ``optimizer_step`` take the LightningModule and a closure and call the Trainer's hooks;
+    Fabric's take a plain module or ``None``). Fabric's connector accepts any Fabric ``Precision``,
+    and the Trainer's is one, so a Trainer plugin is accepted by ``Fabric`` and then fails at the
+    first ``fabric.backward``. Everything FP8 lives here, on Fabric's base; each form only adds the
+    hooks of its loop.
 
     Args:
         recipe: ``delayed`` (fastest on Hopper), ``current``, ``block`` (per-block scales, more
@@ -236,6 +248,7 @@ class FP8Precision(Precision):
         self._model_ref: Optional[weakref.ref] = None
         self._hooks: list[Any] = []
         self._verify_pending = False
+        self._loaded_state: Optional[dict[str, Any]] = None  # loaded before set-up: applied there
         self.scaling_restored = 0  # TE modules whose delayed-scaling state came from a checkpoint
 
     # ----------------------------------------------------------------------------- status
@@ -297,6 +310,7 @@ class FP8Precision(Precision):
         if self.precision == "bf16-true":
             module = module.to(torch.bfloat16)
         if not ok:
+            self._apply_loaded_state()
             return module
         self._te_recipe = make_te_recipe(self.recipe_config)
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
@@ -307,6 +321,7 @@ class FP8Precision(Precision):
         self._record("enabled", f"{reason}; recipe {self.recipe_config}")
         log.info("FP8 %s on %s; BF16 modules: %s", self.recipe_config["recipe"], reason,
                  ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
+        self._apply_loaded_state()
         return module
 
     def _apply_layer_policy(self, gpt: nn.Module) -> None:
@@ -348,29 +363,13 @@ class FP8Precision(Precision):
                     amax_reduction_group=self._amax_group))
             yield
 
-    @override
-    def forward_context(self) -> Any:
-        return self._context(fp8=True)
-
-    @override
     @contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
+    def _training_context(self) -> Generator[None, None, None]:
+        """A training forward in FP8; after the first FP8 step, checks that FP8 really ran."""
         with self._context(fp8=True):
             yield
         if self._verify_pending and self.fp8_active:
             self._verify_fp8_ran()
-
-    @override
-    def val_step_context(self) -> Any:
-        return self._context(fp8=self.fp8_eval)
-
-    @override
-    def test_step_context(self) -> Any:
-        return self._context(fp8=self.fp8_eval)
-
-    @override
-    def predict_step_context(self) -> Any:
-        return self._context(fp8=self.fp8_eval)
 
     def _verify_fp8_ran(self) -> None:
         """After the first FP8 step: did any TE module really run FP8? If not, say so."""
@@ -424,7 +423,20 @@ class FP8Precision(Precision):
             log.info("checkpoint was trained with FP8 recipe %s; this run uses %s", saved,
                      self.recipe_config)
         self.history = list(state_dict.get("history", [])) + self.history
-        last = self.history[-1] if self.history else {}
+        self._loaded_state = state_dict
+        # Not set up yet (Fabric: fabric.load before fabric.setup): the switch and the scaling
+        # state need the converted model, so convert_module applies them.
+        if self._model_ref is not None or self.fp8_active:
+            self._apply_loaded_state()
+
+    def _apply_loaded_state(self) -> None:
+        """The loaded switch state and FP8 scaling state, once the model is set up."""
+        state_dict, self._loaded_state = self._loaded_state, None
+        if state_dict is None:
+            return
+        saved = state_dict.get("recipe", {})
+        # The checkpoint's own last event, not this run's (set-up has recorded "enabled" by now).
+        last = (state_dict.get("history") or [{}])[-1]
         if self.fp8_active and not state_dict.get("fp8_active", True) and \
                 last.get("event") == "disabled":
             self.disable_fp8(f"restored from checkpoint: {last.get('reason')}")
@@ -442,6 +454,45 @@ class FP8Precision(Precision):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+class FP8Precision(FP8PrecisionBase, Precision):
+    """The FP8 precision plugin for the Lightning Trainer (``Trainer(plugins=[FP8Precision()])``).
+
+    Arguments and behaviour: :class:`FP8PrecisionBase`. Training steps run FP8; validation, test
+    and predict run BF16 unless ``fp8_eval``. For ``lightning.Fabric`` use
+    :class:`~fp8_lightning.fabric.FabricFP8Precision` (same arguments).
+    """
+
+    @override
+    def forward_context(self) -> Any:
+        return self._context(fp8=True)
+
+    @override
+    def train_step_context(self) -> Any:
+        return self._training_context()
+
+    @override
+    def val_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def test_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def predict_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        # Fabric accepts this plugin (it is a Fabric Precision too) and calls this hook with its
+        # own module or None, where the Trainer's form needs module.trainer: say what to use.
+        if getattr(module, "_trainer", None) is None:
+            raise TypeError("FP8Precision is the Lightning Trainer's plugin and cannot drive "
+                            "lightning.Fabric's backward; with Fabric use "
+                            "fp8_lightning.fabric.FabricFP8Precision (same arguments)")
+        return super().pre_backward(tensor, module)
 
 
 def _data_parallel_group() -> Any:

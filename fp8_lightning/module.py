@@ -83,6 +83,11 @@ class GPTLightningModule(L.LightningModule):
             on a CPU (compilation costs more than a short CPU run saves) and with several
             processes (not yet verified under DDP/FSDP2). A compilation that fails at the first
             step falls back to eager with the reason.
+        init_from: start from these weights: a Hugging Face GPT-2 or Llama directory
+            (config.json + safetensors, read offline) or a checkpoint of this package (its
+            weights only; ``--ckpt_path`` resumes a run instead). The model shape comes from it:
+            leave ``config`` unset, or set it to the same shape. Fine-tuning runs in FP8 as any
+            run does.
     """
 
     def __init__(self, config: Optional[GPTConfig] = None,
@@ -91,12 +96,17 @@ class GPTLightningModule(L.LightningModule):
                  min_lr: float = 6e-5, warmup_steps: int = 100,
                  lr_decay_steps: Optional[int] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95),
-                 compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> None:
+                 compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
+                 init_from: Optional[str] = None) -> None:
         super().__init__()
-        if config is None:
-            config = GPTConfig()
-        elif isinstance(config, dict):  # from a checkpoint's hyperparameters
+        if isinstance(config, dict):  # from a checkpoint's hyperparameters
             config = GPTConfig.from_dict(config, "model.config (the checkpoint's hyperparameters)")
+        if init_from is not None:
+            from .hf import init_config
+
+            config = init_config(init_from, config)
+        elif config is None:
+            config = GPTConfig()
         self.config = config
         problems = []
         if not learning_rate > 0:
@@ -140,6 +150,11 @@ class GPTLightningModule(L.LightningModule):
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
+        if self.hparams.init_from is not None:
+            from .hf import init_weights
+
+            init_weights(self.model, self.hparams.init_from)
+            rank_zero_info(f"model: weights from {self.hparams.init_from}")
         self._compile()
 
     def _compile(self) -> None:
@@ -214,6 +229,15 @@ class GPTLightningModule(L.LightningModule):
             problems.append(f"model.config.vocab_size={self.config.vocab_size} is smaller than the "
                             f"dataset's tokenizer ({meta.get('tokenizer')}: {meta['vocab_size']}); "
                             f"set model.config.vocab_size={meta['vocab_size']}")
+        if self.hparams.init_from is not None and datamodule is not None:
+            from .hf import init_tokenizer
+            from .tokenizer import same_tokenizer
+
+            wanted = init_tokenizer(self.hparams.init_from)
+            used = meta.get("tokenizer") or getattr(datamodule, "tokenizer", None)
+            if wanted and used and not same_tokenizer(wanted, used):
+                problems.append(f"data.tokenizer={used!r} but the weights of model.init_from were "
+                                f"trained with {wanted!r}; set --data.tokenizer {wanted}")
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.block_size:
             problems.append(f"data.seq_len={seq_len} exceeds model.config.block_size="

@@ -1,4 +1,4 @@
-"""``TrainingMonitor``: the console line, TensorBoard scalars, throughput/MFU and text samples.
+"""``TrainingMonitor``: the console line, logged scalars, throughput/MFU and text samples.
 
 One line per logged step (rank zero)::
 
@@ -7,24 +7,29 @@ One line per logged step (rank zero)::
 * ``loss``: mean training loss over the steps since the previous line; ``norm``: total gradient
   norm before clipping, of the last step; ``lr``: the first parameter group's learning rate.
 * ``dt``: wall-clock time per optimizer step since the previous line, validation (and the text
-  samples) excluded, checkpointing included. The monitor never drains the GPU: at a logged step
-  it copies the loss and norm to pinned memory behind a CUDA event and prints the line one step
-  later, after waiting for that event only (the next step is already queued).
+  samples) excluded, checkpointing included (``throughput/paused`` is 1 for a window that held a
+  validation or a checkpoint save, so ``compare`` can leave it out). The monitor never drains the
+  GPU: at a logged step it copies the loss and norm to pinned memory behind a CUDA event and
+  prints the line one step later, after waiting for that event only (the next step is queued).
 * ``tok/s``: training tokens per second over all ranks; ``mfu``: model FLOPs utilisation per GPU
   against the dense BF16 peak of the GPU (see :mod:`fp8_lightning.flops` for the FLOP count and
   the peak table); ``mfu_fp8`` (only while FP8 runs) the same against the dense FP8 peak.
   ``mfu n/a`` where the peak is unknown (CPU, unlisted GPU).
 * The last field is the precision that really ran: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``.
 
-TensorBoard (every logger of the Trainer gets the scalars; text goes to the TensorBoard logger):
-the tags below, plus ``train/loss``, ``val/loss``, ``val/ppl`` that the LightningModule logs, the
-hyperparameters with ``hp_metric`` = the last ``val/loss``, FP8 switch events as text, and a text
-sample generated from ``sample_prompt`` at every validation (BF16, outside ``te.autocast``).
+Every logger of the Trainer (TensorBoard, CSV, W&B, MLflow, ...) gets the scalars: the tags
+below (``train/loss_mean`` is the console line's loss), plus ``train/loss``, ``val/loss``,
+``val/ppl`` that the LightningModule logs and ``hp_metric`` = the last ``val/loss``. Text (FP8
+switch events, guard events, the config table, a sample generated from ``sample_prompt`` at every
+validation, BF16 outside ``te.autocast``) goes through :func:`log_text`: each logger's own text
+API, else ``<log_dir>/text.jsonl`` with a warning.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -32,7 +37,9 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from .distributed import is_sharded
@@ -41,16 +48,19 @@ from .flops import mfu as mfu_of
 
 log = logging.getLogger(__name__)
 
-# TensorBoard tags: written by the LightningModule ...
-TRAIN_LOSS = "train/loss"
+# Logged tags: written by the LightningModule ...
+TRAIN_LOSS = "train/loss"  # the last micro-batch of the logged step
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 # ... and by TrainingMonitor. `compare` reads these names.
+TRAIN_LOSS_MEAN = "train/loss_mean"  # the console line's loss (mean since the previous line)
 LR = "lr"
 GRAD_NORM = "grad_norm"
 TOKENS_SEEN = "tokens_seen"
 TOKENS_PER_SEC = "throughput/tok_s"
 STEP_TIME_MS = "throughput/step_ms"
+# 1: the line's window held a validation or a checkpoint save (its tok/s dips), else 0
+PAUSED = "throughput/paused"
 MFU = "throughput/mfu_pct"  # percent of the dense BF16 peak
 MFU_FP8 = "throughput/mfu_fp8_pct"  # percent of the dense FP8 peak, while FP8 runs
 PEAK_MEMORY = "gpu/peak_mem_gib"  # torch.cuda.max_memory_allocated, GiB
@@ -115,16 +125,6 @@ def fp8_active(trainer: "L.Trainer") -> bool:
     return bool(getattr(trainer.precision_plugin, "fp8_active", False))
 
 
-def tensorboard_writer(trainer: "L.Trainer") -> Any:
-    """The ``SummaryWriter`` of the Trainer's TensorBoard logger, or ``None``."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            return logger.experiment
-    return None
-
-
 def logger_step(trainer: "L.Trainer") -> int:
     """The step Lightning's own ``self.log`` uses (so our scalars line up with ``train/loss``)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -140,11 +140,73 @@ def log_metrics(trainer: "L.Trainer", metrics: dict[str, float]) -> None:
         logger.log_metrics(metrics, step=step)
 
 
-def add_text(trainer: "L.Trainer", tag: str, text: str) -> None:
-    """A TensorBoard text entry (rank zero; nothing without a TensorBoard logger)."""
-    writer = tensorboard_writer(trainer) if trainer.is_global_zero else None
-    if writer is not None:
-        writer.add_text(tag, text, global_step=logger_step(trainer))
+TEXT_FILE = "text.jsonl"  # text of loggers without text support, in their log_dir
+_TEXT_WARNED: set[tuple[str, str]] = set()  # (logger class, where): warned once per process
+
+
+def log_text(trainer: "L.Trainer", tag: str, text: str, step: Optional[int] = None) -> None:
+    """A text entry (samples, events, the config table) to every logger of the Trainer.
+
+    Each logger's own text API: TensorBoard ``add_text``, W&B ``log_text`` (a table), MLflow
+    ``log_text`` (an artifact ``text/<tag>/step_N.md``), Comet ``log_text``. A logger without one
+    (CSV, custom loggers) gets the entry as a JSON line in ``<log_dir>/text.jsonl``, which
+    ``compare`` reads too, with one warning saying so; where it has no ``log_dir`` the warning says
+    the text is not logged. Rank zero only.
+    """
+    if not trainer.is_global_zero:
+        return
+    step = logger_step(trainer) if step is None else step
+    what = "text entries (samples, fp8/events, guard/events, run/config)"
+    for logger in trainer.loggers:
+        name = type(logger).__name__
+        try:
+            if _native_text(logger, tag, text, step):
+                continue
+            log_dir = getattr(logger, "log_dir", None)
+            if not isinstance(log_dir, (str, os.PathLike)):
+                _warn_once(logger, "", f"{name} has no text support and no log_dir: {what} are not "
+                                       "logged (add a TensorBoardLogger or CSVLogger to keep them)")
+                continue
+            # The logger makes its directory first (CSVLogger clears a non-empty new one).
+            getattr(logger, "experiment", None)
+            # Written here because CSVLogger (and Logger) has no text API: one JSON line per entry.
+            path = os.path.join(os.fspath(log_dir), TEXT_FILE)
+            fs = get_filesystem(path)
+            fs.makedirs(os.path.dirname(path), exist_ok=True)
+            with fs.open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "tag": tag, "text": text}, ensure_ascii=False) + "\n")
+        except Exception as err:  # logging text must never stop training
+            _warn_once(logger, "error", f"{name}: logging text {tag!r} failed ({type(err).__name__}: "
+                                        f"{err}); {what} are not logged there")
+            continue
+        _warn_once(logger, path, f"{name} has no text support: {what} go to {path}")
+
+
+def _native_text(logger: Any, tag: str, text: str, step: int) -> bool:
+    """Log through the logger's own text API; False where it has none."""
+    from lightning.pytorch import loggers
+
+    if isinstance(logger, loggers.TensorBoardLogger):
+        logger.experiment.add_text(tag, text, global_step=step)
+    elif isinstance(logger, loggers.WandbLogger):
+        logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
+    elif isinstance(logger, loggers.MLFlowLogger):
+        logger.experiment.log_text(logger.run_id, text, f"text/{tag}/step_{step:08d}.md")
+    elif isinstance(logger, loggers.CometLogger):
+        logger.experiment.log_text(text, step=step, metadata={"tag": tag})
+    else:
+        return False
+    return True
+
+
+def _warn_once(logger: Any, where: str, message: str) -> None:
+    key = (type(logger).__name__, where)
+    if key not in _TEXT_WARNED:
+        _TEXT_WARNED.add(key)
+        rank_zero_warn(message)
+
+
+add_text = log_text  # the name safety.py and older code use
 
 
 def console_print(trainer: "L.Trainer", line: str) -> None:
@@ -164,7 +226,7 @@ def console_print(trainer: "L.Trainer", line: str) -> None:
 
 
 class TrainingMonitor(Callback):
-    """The console line, TensorBoard scalars, throughput/MFU and text samples (see the module doc).
+    """The console line, logged scalars, throughput/MFU and text samples (see the module doc).
 
     Args:
         log_every: print and log every N optimizer steps (default: ``trainer.log_every_n_steps``).
@@ -208,6 +270,7 @@ class TrainingMonitor(Callback):
         self._last_step = -1  # optimizer step of the previous on_train_batch_end
         self._window: Optional[dict[str, float]] = None  # time/step/tokens at the last line
         self._excluded = 0.0  # seconds of validation inside the current window
+        self._paused = False  # a validation or checkpoint save inside the current window
         self._val_start: Optional[float] = None
         self._events_seen = 0
         self._pending: Optional[dict[str, Any]] = None  # a prepared line, emitted next step
@@ -226,6 +289,7 @@ class TrainingMonitor(Callback):
         self._window = {"time": time.perf_counter(), "step": trainer.global_step,
                         "tokens": self._tokens(pl_module)}
         self._excluded = 0.0
+        self._paused = False
         if self._loss_sum is not None:
             self._loss_sum.zero_()
 
@@ -261,9 +325,9 @@ class TrainingMonitor(Callback):
         setup = f"monitor: every {self._every} steps; {peak}; {flops}"
         if self.console:
             console_print(trainer, setup)
-        add_text(trainer, SETUP_TEXT, setup)
-        add_text(trainer, PRECISION_TEXT, precision_tag(trainer, pl_module))
-        add_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
+        log_text(trainer, SETUP_TEXT, setup)
+        log_text(trainer, PRECISION_TEXT, precision_tag(trainer, pl_module))
+        log_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
         self._log_events(trainer)
         self._last_step = trainer.global_step
         self._open_window(trainer, pl_module)
@@ -274,9 +338,9 @@ class TrainingMonitor(Callback):
         self._events_seen = len(history)
         for event in new:
             step = event.get("step")
-            add_text(trainer, FP8_EVENTS_TEXT,
-                           f"**{event.get('event')}**{'' if step is None else f' at step {step}'}: "
-                           f"{event.get('reason')} (now {event.get('precision')})")
+            log_text(trainer, FP8_EVENTS_TEXT,
+                     f"**{event.get('event')}**{'' if step is None else f' at step {step}'}: "
+                     f"{event.get('reason')} (now {event.get('precision')})")
 
     def fallback_count(self, trainer: "L.Trainer") -> int:
         history = getattr(trainer.precision_plugin, "history", None) or []
@@ -360,8 +424,10 @@ class TrainingMonitor(Callback):
             if active:
                 mfu_fp8 = mfu_of(per_gpu, self._flops_token, self._peak.fp8)
         metrics = {TOKENS_SEEN: float(pending["tokens"]), TOKENS_PER_SEC: tokens_per_sec,
-                   STEP_TIME_MS: step_ms, FP8_ACTIVE: float(active),
+                   STEP_TIME_MS: step_ms, PAUSED: float(self._paused), FP8_ACTIVE: float(active),
                    FALLBACK_EVENTS: float(self.fallback_count(trainer))}
+        if loss is not None:
+            metrics[TRAIN_LOSS_MEAN] = loss
         if lr is not None:
             metrics[LR] = float(lr)
         if norm is not None:
@@ -381,6 +447,7 @@ class TrainingMonitor(Callback):
                 console_print(trainer, line)
         self._window = {"time": now, "step": step, "tokens": pending["tokens"]}
         self._excluded = 0.0
+        self._paused = False
 
     # ------------------------------------------------------------------------- validation
     @override
@@ -390,6 +457,13 @@ class TrainingMonitor(Callback):
         if self._window is not None and not trainer.sanity_checking:
             self._sync(pl_module)
             self._val_start = time.perf_counter()
+            self._paused = True
+
+    @override
+    def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                           checkpoint: dict[str, Any]) -> None:
+        if self._window is not None:
+            self._paused = True  # the save's time is in this window's dt
 
     @override
     def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
@@ -412,7 +486,7 @@ class TrainingMonitor(Callback):
                 text = None
                 log.warning("text sample failed: %s: %s", type(err).__name__, err)
             if text is not None and trainer.is_global_zero:
-                add_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
+                log_text(trainer, SAMPLES, "    " + text.replace("\n", "\n    "))
                 if self.console:
                     console_print(trainer, f"sample (step {step}): {text!r}")
         if self._val_start is not None:

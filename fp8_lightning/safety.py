@@ -133,9 +133,14 @@ class NaNGuard(Callback):
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
+        self._flag(trainer, pl_module, optimizer, self._loss, getattr(pl_module, "grad_norm", None))
+
+    def _flag(self, trainer: L.Trainer, pl_module: L.LightningModule,
+              optimizer: torch.optim.Optimizer, loss: Optional[torch.Tensor],
+              norm: Optional[torch.Tensor]) -> None:
+        """This step's bad flag (non-finite ``loss`` or gradient ``norm``), on the device."""
         step = trainer.global_step
-        bad = ~torch.isfinite(self._loss) if self._loss is not None else None
-        norm = getattr(pl_module, "grad_norm", None)
+        bad = ~torch.isfinite(loss) if loss is not None else None
         if norm is not None:
             norm_bad = ~torch.isfinite(norm)
             bad = norm_bad if bad is None else bad | norm_bad

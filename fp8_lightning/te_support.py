@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-TE_REQUIREMENT = RequirementCache("transformer_engine>=2.0")
+# The oldest TE this code runs on: it uses te.autocast and the public
+# te.is_fp8_available(return_reason=True) (transformer_engine.pytorch.quantization, which replaced
+# fp8_autocast and the private fp8 module), and loads checkpoints through
+# transformer_engine.pytorch._extra_state, which TE 2.18 added (with its refusal to unpickle extra
+# state). An older TE passed a ">=2.0" check and crashed mid-run; below this floor the run falls
+# back to BF16 with the reason, as without TE. pyproject.toml's [te] extra names the same floor.
+TE_MIN_VERSION = "2.18"
+TE_REQUIREMENT = RequirementCache(f"transformer_engine>={TE_MIN_VERSION}")
 # FP8 tensor cores: Ada (sm_89), Hopper (sm_90), Blackwell (sm_100+).
 MIN_FP8_CAPABILITY = (8, 9)
 
@@ -22,8 +29,12 @@ MIN_FP8_CAPABILITY = (8, 9)
 def te_status() -> tuple[bool, str]:
     """(importable, reason) for ``transformer_engine.pytorch``."""
     if not TE_REQUIREMENT:
-        return False, ("TransformerEngine is not installed (on a GPU machine: "
-                       'pip install "fp8-lightning[te]")')
+        found = te_version()
+        if found == "not installed":
+            return False, ("TransformerEngine is not installed (on a GPU machine: "
+                           'pip install "fp8-lightning[te]")')
+        return False, (f"TransformerEngine {found} found, >= {TE_MIN_VERSION} needed "
+                       '(pip install -U "fp8-lightning[te]")')
     if not torch.cuda.is_available():
         return False, "no CUDA GPU is visible (TransformerEngine needs one)"
     try:

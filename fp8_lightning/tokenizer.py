@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 from .config import ConfigError
 
@@ -67,10 +68,14 @@ class HFTokenizer:
 
         self.name = str(path)
         try:
-            self._tok = _Tok.from_file(str(path))
+            if Path(path).is_dir():  # vocab.json + merges.txt: a byte-level BPE (GPT-2 style)
+                self._tok = byte_level_bpe(Path(path) / "vocab.json", Path(path) / "merges.txt")
+            else:
+                self._tok = _Tok.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
-            raise ConfigError([f"tokenizer={str(path)!r} is not a valid Hugging Face tokenizer.json "
-                               f"({err}); valid: 'gpt2' or the tokenizer.json saved with a model"],
+            raise ConfigError([f"tokenizer={str(path)!r} is not a valid Hugging Face tokenizer "
+                               f"({err}); valid: 'gpt2', the tokenizer.json saved with a model, "
+                               "or a directory with tokenizer.json or vocab.json + merges.txt"],
                               "tokenizer") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in self.EOT_CANDIDATES]
@@ -88,12 +93,76 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
+def byte_level_bpe(vocab_file: Path, merges_file: Path) -> object:
+    """A ``tokenizers`` byte-level BPE (GPT-2's kind) from a ``vocab.json`` and ``merges.txt``,
+    with ``<|endoftext|>`` as its special token when the vocabulary has it."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = _Tok(models.BPE.from_file(str(vocab_file), str(merges_file)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(EOT_TEXT) is not None:
+        tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
+    return tok
+
+
+def _has_bpe_files(directory: Path) -> bool:
+    return (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file()
+
+
+def _merges(lines: list) -> list[str]:
+    """Merges as "a b" strings (tokenizer.json stores pairs or strings; merges.txt has a header)."""
+    return [" ".join(m) if isinstance(m, list) else m for m in lines
+            if m and not str(m).startswith("#version")]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_bpe() -> tuple[dict, list[str]]:
+    return (json.loads((ASSETS / "gpt2" / "encoder.json").read_text()),
+            _merges((ASSETS / "gpt2" / "vocab.bpe").read_text().splitlines()))
+
+
+def tokenizer_of(directory: str | Path) -> Optional[str]:
+    """The tokenizer a Hugging Face model directory ships: ``gpt2`` when it is GPT-2's BPE (the
+    package's own, so prepared datasets are shared), else the directory; ``None`` without one."""
+    path = Path(directory).expanduser().resolve()
+    try:
+        if (path / "tokenizer.json").is_file():
+            model = json.loads((path / "tokenizer.json").read_text()).get("model") or {}
+            found = (model.get("vocab"), _merges(model.get("merges") or []))
+        elif _has_bpe_files(path):
+            found = (json.loads((path / "vocab.json").read_text()),
+                     _merges((path / "merges.txt").read_text().splitlines()))
+        else:
+            return None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return str(path)  # get_tokenizer says what is wrong with it
+    return "gpt2" if found == _gpt2_bpe() else str(path)
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Do two tokenizer names (``gpt2``, a tokenizer.json, a model directory) mean the same one?"""
+    def key(name: str) -> str:
+        if name == "gpt2":
+            return name
+        path = Path(name).expanduser().resolve()
+        if path.name == "tokenizer.json":
+            path = path.parent
+        return (tokenizer_of(path) or str(path)) if path.is_dir() else str(path)
+    return key(a) == key(b)
+
+
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """``"gpt2"`` or the path of a Hugging Face ``tokenizer.json``."""
+    """``"gpt2"``, the path of a Hugging Face ``tokenizer.json``, or a model directory holding
+    one (or GPT-2-style ``vocab.json`` + ``merges.txt``)."""
     if name == "gpt2":
         return GPT2Tokenizer()
     path = Path(name).expanduser()
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and _has_bpe_files(path):
+        return HFTokenizer(str(path))
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.suffix == ".json" and path.is_file():

@@ -1,78 +1,142 @@
+import re
+import sys
 from pathlib import Path
 
 import pytest
 from _runs import run_cli, short_fit
+from test_monitor import LINE, console_lines, csv_fit
 
 from fp8_lightning import monitor as M
-from fp8_lightning.compare import Run, compare, format_table, summary
+from fp8_lightning.cli import main
+from fp8_lightning.compare import Run, compare, format_table, read_run, summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    a, _ = short_fit(tmp_path_factory, "run_a")
-    b, _ = short_fit(tmp_path_factory, "run_b", "--model.learning_rate", "1.0e-3")
-    return a, b
+    """A TensorBoard run (the session's CLI quickstart fit) and a CSVLogger run (in process)."""
+    tb, result = short_fit(tmp_path_factory, "run_a")
+    csv_root = tmp_path_factory.mktemp("csv_run")
+    monitor, _ = csv_fit(csv_root)
+    printed = [l for l in console_lines(result.stdout) if LINE.match(l)]
+    return tb, csv_root, LINE.match(printed[-1])["loss"], LINE.match(monitor.lines[-1])["loss"]
 
 
-def test_compare_writes_png_and_table(two_runs, tmp_path):
-    a, b = two_runs
-    rows, png = compare([str(a), str(b)], str(tmp_path / "cmp.png"), labels=["fast", "slow"])
+def test_compare_reads_tensorboard_and_csv_runs(two_runs, tmp_path, capsys):
+    tb, csv_run, tb_loss, csv_loss = two_runs
+    rows, png = compare([str(tb), str(csv_run)], str(tmp_path / "cmp.png"), labels=["tb", "csv"])
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000
-    assert [r["run"] for r in rows] == ["fast", "slow"]
+    assert [r["run"] for r in rows] == ["tb", "csv"]
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["val gap"] == 0
     assert rows[1]["val gap"] == pytest.approx(rows[1]["final val loss"] / rows[0]["final val loss"] - 1)
     for row in rows:
         assert row["precision"] in ("BF16 (fallback)", "FP32 (fallback)")  # this machine's
         assert 5 < row["final loss"] < 11.5 and row["min loss"] <= row["final loss"]
-        assert row["final val loss"] > 0 and row["mean tok/s"] > 0 and row["speedup"] > 0
+        assert row["final val loss"] > 0 and row["tok/s"] > 0 and row["speedup"] > 0
+    # the final loss is the console's last line (its window mean), from either kind of log
+    assert [f"{r['final loss']:.4f}" for r in rows] == [tb_loss, csv_loss]
+    out = capsys.readouterr().out
     table = format_table(rows)
-    assert "speedup" in table.splitlines()[0] and "1.00x" in table.splitlines()[2]
+    assert out.startswith(table) and "speedup" in table.splitlines()[0]
+    assert table.splitlines()[2].endswith("1.00x")
+    assert "final/min loss: the console line's loss" in out and f"plot: {png}" in out
 
 
 def test_compare_command(two_runs, tmp_path):
-    a, b = two_runs
+    tb, csv_run, _, _ = two_runs
     out = tmp_path / "plots" / "fp8_vs_bf16.png"
-    # a run's default_root_dir or its version folder both work
-    version = next(Path(b).rglob("version_*"))
-    result = run_cli("compare", str(a), str(version), "--output", str(out))
+    # a run's default_root_dir or its version folder both work; --labels takes several values
+    version = next(Path(csv_run).rglob("version_*"))
+    result = run_cli("compare", str(tb), str(version), "--output", str(out), "--labels", "a", "b")
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_bytes()[:8] == PNG
     header, rule, first, second = result.stdout.splitlines()[:4]
     for column in ("run", "precision", "final loss", "min loss", "final val loss", "val gap",
-                   "mean tok/s", "speedup"):
+                   "tok/s", "speedup"):
         assert column in header
-    assert first.startswith(str(a)) and first.rstrip().endswith("1.00x")
-    assert second.startswith(str(version))
+    assert first.startswith("a ") and first.rstrip().endswith("1.00x")
+    # the CSV run has one window after warm-up: no spread to judge noise by
+    assert second.startswith("b ") and second.endswith("(too few windows to judge noise)")
     assert f"plot: {out}" in result.stdout
 
 
-def test_compare_missing_run_is_one_error(tmp_path):
-    result = run_cli("compare", str(tmp_path / "nope"))
-    assert result.returncode == 2 and "error: run directory" in result.stderr
-    (tmp_path / "empty").mkdir()
-    result = run_cli("compare", str(tmp_path / "empty"))
-    assert result.returncode == 2 and "no TensorBoard event files" in result.stderr
+def test_compare_missing_run_is_one_error(tmp_path, capsys):
+    for argv, expected in (([str(tmp_path / "nope")], "error: run directory"),
+                           ([str(tmp_path)], "no TensorBoard event files under")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["compare", *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and expected in err
+    assert "metrics.csv" in err  # CSV runs are looked for too
 
 
-def test_summary_arithmetic_without_tensorboard():
-    def run(label, tps, loss):
-        r = Run(label, Path("."))
-        r.scalars = {M.TOKENS_PER_SEC: list(enumerate(tps)), M.TRAIN_LOSS: list(enumerate(loss)),
-                     M.TOKENS_SEEN: [(0, 100.0), (1, 200.0)]}
-        return r
+def test_without_matplotlib_the_table_prints_then_one_error(two_runs, tmp_path, capsys, monkeypatch):
+    tb, _, _, _ = two_runs
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", str(tb), "--output", str(tmp_path / "x.png")])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out.splitlines()[0].startswith("run ")
+    assert err.strip().splitlines() == [
+        'error: compare\'s plot needs matplotlib: pip install "fp8-lightning[plots]"']
+    assert not (tmp_path / "x.png").exists()
 
-    bf16 = run("bf16", [50.0, 100.0, 100.0], [5.0, 4.0, 4.5])  # first point: warm-up, left out
-    fp8 = run("fp8", [10.0, 150.0, 170.0], [5.0, 4.2, 4.1])
-    rows = summary([bf16, fp8])
-    assert rows[0]["mean tok/s"] == 100.0 and rows[1]["mean tok/s"] == 160.0
-    assert rows[1]["speedup"] == pytest.approx(1.6)
-    assert rows[0]["final loss"] == 4.5 and rows[0]["min loss"] == 4.0
+
+def _run(label, tps, loss, paused=None, val=None):
+    r = Run(label, Path("."))
+    r.scalars = {M.TOKENS_PER_SEC: list(enumerate(tps)), M.TRAIN_LOSS_MEAN: list(enumerate(loss)),
+                 M.TOKENS_SEEN: [(0, 100.0), (1, 200.0)]}
+    if paused is not None:
+        r.scalars[M.PAUSED] = list(enumerate(paused))
+    if val is not None:
+        r.scalars[M.VAL_LOSS] = val
+    return r
+
+
+def test_summary_median_tok_s_noise_and_final_loss():
+    # first window (warm-up) and paused ones (validation, checkpoint) left out of tok/s
+    bf16 = _run("bf16", [5.0, 100, 102, 98, 101, 99, 20], [5.0, 4.0, 4.5, 4.4, 4.3, 4.2, 4.25],
+                paused=[0, 0, 0, 0, 0, 0, 1])
+    same = _run("same", [5.0, 103, 101, 104, 100, 102, 21], [5.0, 4.0, 4.5, 4.4, 4.3, 4.2, 4.25],
+                paused=[0, 0, 0, 0, 0, 0, 1])
+    fast = _run("fast", [5.0, 150, 151, 149, 152, 150, 30], [5.0, 4.2, 4.1, 4.0, 3.9, 3.8, 3.85],
+                paused=[0, 0, 0, 0, 0, 0, 1])
+    rows = summary([bf16, same, fast])
+    assert [r["tok/s"] for r in rows] == [100.0, 102.0, 150.0]
+    assert rows[1]["speedup"] == pytest.approx(1.02) and rows[2]["speedup"] == pytest.approx(1.5)
+    # final loss: the last console line's (window mean); min: the lowest line
+    assert rows[0]["final loss"] == 4.25 and rows[0]["min loss"] == 4.0
     assert rows[0]["final val loss"] is None and rows[0]["val gap"] is None
+    lines = format_table(rows).splitlines()
+    assert lines[2].endswith("| 1.00x")
+    # the per-window spread of both runs (MAD-based, ~1.5% each) covers a 2% difference ...
+    assert re.search(r"1\.02x: indistinguishable \(within noise ±\d\.\d%\)$", lines[3]), lines[3]
+    # ... not a 50% one
+    assert re.search(r"1\.50x \(noise ±\d\.\d%\)$", lines[4]), lines[4]
     bf16.scalars[M.VAL_LOSS] = [(1, 4.0)]
-    fp8.scalars[M.VAL_LOSS] = [(1, 4.1)]
-    rows = summary([bf16, fp8])
+    fast.scalars[M.VAL_LOSS] = [(1, 4.1)]
+    rows = summary([bf16, fast])
     assert rows[1]["val gap"] == pytest.approx(0.025)
     assert "+2.50%" in format_table(rows).splitlines()[3]
     assert bf16.tokens_at([0, 1, 3]) == [100.0, 200.0, 400.0]  # extrapolated past the last point
+
+
+def test_logs_from_before_loss_mean_and_paused():
+    """Older logs: the last logged micro-batch as the loss (said below the table), and the windows
+    around each validation left out of tok/s."""
+    old = _run("old", [5.0, 100, 100, 40, 100], [9.0] * 5, val=[(2, 4.0)])
+    old.scalars[M.TRAIN_LOSS] = old.scalars.pop(M.TRAIN_LOSS_MEAN)
+    old.scalars[M.TRAIN_LOSS][-1] = (4, 8.5)
+    (row,) = summary([old])
+    assert row["final loss"] == 8.5 and row["tok/s"] == 100.0  # windows 2 and 3 left out
+    from fp8_lightning.compare import legend
+
+    assert "all runs: the logged micro-batch" in legend([old])
+
+
+def test_read_run_prefers_the_newest_version(two_runs):
+    _, csv_run, _, _ = two_runs
+    run = read_run(str(csv_run))
+    assert run.log_dir.name == "version_0" and M.TRAIN_LOSS_MEAN in run.scalars
+    assert run.precision in ("BF16 (fallback)", "FP32 (fallback)")  # from text.jsonl

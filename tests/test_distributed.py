@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8_lightning.checkpoint import (Checkpoint, CheckpointError, consolidate_checkpoint,
                                       list_checkpoints, load_checkpoint_file)
@@ -118,6 +119,20 @@ def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_
     result = run_cli("generate", "--ckpt", str(root / "checkpoints" / "last.ckpt"),
                      "--max_new_tokens", "4", "--prompt", "ROMEO:")
     assert result.returncode == 0 and result.stdout.startswith("ROMEO:"), result.stderr[-2000:]
+
+
+def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from fp8_lightning.generate import load_model
+    from fp8_lightning.hf import checkpoint_to_hf
+
+    last = fsdp_runs[0] / "checkpoints" / "last.ckpt"
+    out = checkpoint_to_hf(str(last), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = load_model(str(last), device="cpu", backend="torch")[0]
+    idx = torch.randint(0, ours.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-4, rtol=0)
 
 
 def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path):

@@ -124,3 +124,28 @@ def test_prediction_keeps_non_gemm_time_and_flags_slower_shapes():
 def test_cudnn_version_text():
     assert cudnn_text(92400) == "9.24.0" and cudnn_text(90100) == "9.1.0"
     assert cudnn_text(8902) == "8.9.2"
+
+
+@pytest.fixture
+def old_te(monkeypatch):
+    """TransformerEngine 2.10 installed: below the floor this code needs."""
+    from fp8_lightning import te_support
+
+    monkeypatch.setattr(te_support, "TE_REQUIREMENT", False)
+    monkeypatch.setattr(te_support, "te_version", lambda: "2.10.0")
+    te_support.te_status.cache_clear()
+    yield
+    te_support.te_status.cache_clear()
+
+
+def test_too_old_transformer_engine_is_a_reason_not_a_crash(old_te, capsys):
+    from fp8_lightning.fp8 import recipe_available
+    from fp8_lightning.te_support import TE_MIN_VERSION, te_status
+
+    reason = 'TransformerEngine 2.10.0 found, >= 2.18 needed (pip install -U "fp8-lightning[te]")'
+    assert TE_MIN_VERSION == "2.18" and te_status() == (False, reason)
+    assert recipe_available("delayed") == (False, reason)  # the plugin's fallback reason
+    assert doctor(str(ROOT / "configs" / "quickstart.yaml")) == EXIT_FP8_UNUSABLE
+    out = capsys.readouterr().out
+    assert f"transformer_engine_status: {reason}" in out
+    assert "FP8 delayed is requested but CANNOT run here" in out and "TransformerEngine >= 2.18" in out

@@ -1,5 +1,6 @@
 import logging
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -152,15 +153,20 @@ def test_console_lines_in_a_cpu_fit(fit_run):
 
 
 def test_tensorboard_scalars_after_a_short_fit(fit_run):
-    out, _ = fit_run
+    out, result = fit_run
     scalars, texts = tensorboard(out)
-    for tag in (M.TRAIN_LOSS, M.VAL_LOSS, M.VAL_PPL, M.LR, M.GRAD_NORM, M.TOKENS_SEEN,
-                M.TOKENS_PER_SEC, M.STEP_TIME_MS, M.FP8_ACTIVE, M.FALLBACK_EVENTS, M.HP_METRIC):
+    for tag in (M.TRAIN_LOSS, M.TRAIN_LOSS_MEAN, M.VAL_LOSS, M.VAL_PPL, M.LR, M.GRAD_NORM,
+                M.TOKENS_SEEN, M.TOKENS_PER_SEC, M.STEP_TIME_MS, M.PAUSED, M.FP8_ACTIVE,
+                M.FALLBACK_EVENTS, M.HP_METRIC):
         assert tag in scalars, (tag, sorted(scalars))
     # the monitor logs on Lightning's own step axis: train/loss and tokens_seen line up
     assert set(scalars[M.TOKENS_SEEN]) == set(scalars[M.TRAIN_LOSS]) == {4, 9}
     assert scalars[M.TOKENS_SEEN] == {4: 5 * 8 * 128, 9: 10 * 8 * 128}
     assert scalars[M.FP8_ACTIVE] == {4: 0.0, 9: 0.0}
+    # the console line's loss, logged as it was printed
+    printed = [float(LINE.match(l)["loss"]) for l in console_lines(result.stdout) if LINE.match(l)]
+    assert [round(scalars[M.TRAIN_LOSS_MEAN][s], 4) for s in (4, 9)] == printed
+    assert scalars[M.PAUSED] == {4: 0.0, 9: 0.0}  # validation and checkpoints come after step 10
     assert scalars[M.FALLBACK_EVENTS][9] == 1.0  # FP8 unavailable here
     assert scalars[M.HP_METRIC][9] == pytest.approx(scalars[M.VAL_LOSS][9])
     assert M.MFU not in scalars and M.PEAK_MEMORY not in scalars  # CPU: no peak, no CUDA
@@ -198,6 +204,97 @@ def test_gradient_accumulation_and_fp8_stats_gate_on_cpu(tmp_path, caplog):
     assert module.tokens_seen == 4 * 2 * 4 * 32
     assert "FP8 stats off: FP8 cannot run here" in caplog.text
     assert not stats.enabled and stats.logged_steps == []
+
+
+def csv_fit(root, steps=6):
+    """A tiny in-process fit logged by CSVLogger only: lines every 2 steps, a validation with a
+    text sample at step 4 and a checkpoint save then."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    monitor = M.TrainingMonitor(log_every=2, sample_prompt="The", sample_tokens=4, console=False)
+    module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=32),
+                                warmup_steps=1)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4)
+    trainer = L.Trainer(max_steps=steps, plugins=[FP8Precision()], accelerator="cpu",
+                        logger=CSVLogger(root), log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, val_check_interval=4, limit_val_batches=1,
+                        num_sanity_val_steps=0, callbacks=[monitor], default_root_dir=root)
+    trainer.fit(module, loader, loader)
+    return monitor, trainer
+
+
+def test_csv_logger_keeps_text_in_text_jsonl_with_one_warning(tmp_path):
+    import csv
+    import json
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor, trainer = csv_fit(tmp_path)
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    said = [str(w.message) for w in caught if "no text support" in str(w.message)]
+    assert said == [f"CSVLogger has no text support: text entries (samples, fp8/events, "
+                    f"guard/events, run/config) go to {log_dir / M.TEXT_FILE}"]
+    entries = [json.loads(l) for l in (log_dir / M.TEXT_FILE).read_text().splitlines()]
+    tags = {e["tag"] for e in entries}
+    assert {M.SETUP_TEXT, M.PRECISION_TEXT, M.CONFIG_TEXT, M.FP8_EVENTS_TEXT, M.SAMPLES} <= tags
+    assert "| model.config.name | tiny |" in next(e["text"] for e in entries if e["tag"] == M.CONFIG_TEXT)
+    assert next(e for e in entries if e["tag"] == M.SAMPLES)["text"].strip().startswith("The")
+    # the scalars are in metrics.csv, the console line's loss among them
+    rows = list(csv.DictReader(open(log_dir / "metrics.csv")))
+    means = [float(r[M.TRAIN_LOSS_MEAN]) for r in rows if r.get(M.TRAIN_LOSS_MEAN)]
+    assert [f"{m:.4f}" for m in means] == [LINE.match(l)["loss"] for l in monitor.lines]
+    paused = [float(r[M.PAUSED]) for r in rows if r.get(M.PAUSED)]
+    assert paused == [0.0, 0.0, 1.0]  # steps 2, 4; the window of step 6 held the validation
+
+
+class _NoText(L.pytorch.loggers.Logger):
+    """A logger with scalars only and no directory."""
+
+    name, version = "no_text", 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_log_text_uses_each_loggers_api_and_warns_about_the_rest(tmp_path, monkeypatch):
+    import warnings
+
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    calls = []
+    wandb = WandbLogger.__new__(WandbLogger)  # (no wandb package here: only the API is called)
+    wandb.log_text = lambda **kw: calls.append(("wandb", kw))
+
+    class FakeMLflow(MLFlowLogger):
+        run_id = "run1"
+        experiment = SimpleNamespace(log_text=lambda *a: calls.append(("mlflow", a)))
+
+        def __init__(self):
+            pass
+
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    trainer = SimpleNamespace(is_global_zero=True, global_step=7, fit_loop=None,
+                              loggers=[tb, wandb, FakeMLflow(), _NoText()])
+    monkeypatch.setattr(M, "_TEXT_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        M.log_text(trainer, "samples", "hello")
+        M.log_text(trainer, "samples", "again")
+    assert calls[0] == ("wandb", {"key": "samples", "columns": ["step", "text"],
+                                  "data": [[7, "hello"]], "step": 7})
+    assert calls[1] == ("mlflow", ("run1", "hello", "text/samples/step_00000007.md"))
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith("_NoText has no text support and no log_dir")
+    tb.experiment.flush()
+    assert list(Path(tb.log_dir).glob("events.out.tfevents.*"))
+    assert not (tmp_path / M.TEXT_FILE).exists()
+    trainer.is_global_zero = False  # other ranks log nothing
+    M.log_text(trainer, "samples", "rank 1")
+    assert len(calls) == 4
 
 
 # ----------------------------------------------------------------------------- FP8Stats pieces

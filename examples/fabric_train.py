@@ -1,0 +1,170 @@
+"""Train the quickstart GPT with Lightning Fabric and the FP8 plugin; save, and resume.
+
+    python examples/fabric_train.py --steps 20 --ckpt runs/fabric/last.ckpt
+    python examples/fabric_train.py --steps 40 --ckpt runs/fabric/last.ckpt   # resumes at step 20
+
+The defaults are CPU-sized (a few seconds per 10 steps); on a GPU raise ``--batch_size`` and
+``--seq_len`` (up to the preset's block size, 128 for ``tiny``) or pick a larger ``--model``.
+
+FP8 (TransformerEngine, ``--recipe``) on an Ada/Hopper/Blackwell GPU; elsewhere BF16, or FP32 on a
+CPU without BF16 instructions, with the reason in the log. The model, its optimizer (fused AdamW,
+no weight decay on norms, biases and embeddings) and its learning-rate schedule are the
+quickstart's (``configs/quickstart.yaml``, built by ``GPTLightningModule``); the data is the
+first ``--corpus_chars`` characters of the tinyshakespeare corpus that ships with the package,
+tokenized in memory. (A prepared dataset streams through ``TokenShardDataModule``:
+``loader = fabric.setup_dataloaders(datamodule.train_dataloader())``, and the loader goes into
+the checkpoint state too, for an exact data resume.)
+
+The checkpoint holds the weights, the optimizer and scheduler, the FP8 plugin's state (switch
+history, delayed-scaling amax histories and scales as plain tensors), the NaN guard and the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Optional
+
+import lightning as L
+import torch
+
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
+from fp8_lightning.fp8 import RECIPES
+from fp8_lightning.module import GPTLightningModule
+from fp8_lightning.tokenizer import get_tokenizer
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=positive, default=20,
+                        help="train until this many optimizer steps in all (a resumed run counts "
+                             "the checkpoint's)")
+    parser.add_argument("--ckpt", default="runs/fabric/last.ckpt",
+                        help="checkpoint: resumed from when it exists, saved every --save_every "
+                             "steps and at the end")
+    parser.add_argument("--fresh", action="store_true", help="ignore an existing --ckpt")
+    parser.add_argument("--save_every", type=positive, default=10)
+    parser.add_argument("--log_every", type=positive, default=5)
+    parser.add_argument("--recipe", default="delayed", choices=list(RECIPES))
+    parser.add_argument("--model", default="tiny", help="GPTConfig preset (default: the quickstart's)")
+    parser.add_argument("--n_layer", type=positive, default=None, help="override the preset's")
+    parser.add_argument("--backend", default="auto", choices=["auto", "te", "torch"])
+    parser.add_argument("--batch_size", type=positive, default=4)
+    parser.add_argument("--seq_len", type=positive, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--corpus_chars", type=positive, default=100_000,
+                        help="characters of the embedded corpus to train on (the last 10%% "
+                             "validates)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--devices", default="1")
+    return parser.parse_args(argv)
+
+
+def corpus_blocks(seq_len: int, chars: int) -> torch.Tensor:
+    """The first ``chars`` characters of the embedded corpus as (N, seq_len + 1) token blocks."""
+    ids = torch.tensor(get_tokenizer("gpt2").encode(EMBEDDED_CORPUS.read_text()[:chars]))
+    n = ids.numel() // (seq_len + 1)
+    if n < 2:
+        raise SystemExit(f"--corpus_chars {chars} gives {n} block(s) of {seq_len + 1} tokens; "
+                         "raise it or lower --seq_len")
+    return ids[: n * (seq_len + 1)].view(n, seq_len + 1)
+
+
+def save(fabric: L.Fabric, path: str, state: dict) -> None:
+    """``fabric.save`` to a temporary name, then renamed: a run killed while saving leaves the
+    previous checkpoint intact (the Trainer's ``Checkpoint`` callback does this for ``fit``)."""
+    fabric.save(path + ".tmp", state)  # rank zero writes, every rank waits
+    if fabric.is_global_zero:
+        os.replace(path + ".tmp", path)
+    fabric.barrier()
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    plugin = FabricFP8Precision(recipe=args.recipe)
+    devices = int(args.devices) if args.devices.isdigit() else args.devices
+    fabric = L.Fabric(accelerator=args.accelerator, devices=devices, plugins=[plugin])
+    fabric.launch()  # before set-up: the plugin reduces amax over the process group it finds
+    fabric.seed_everything(1337)
+
+    # The quickstart's model and training recipe; GPTLightningModule builds them (TE layers where
+    # TE can run, else PyTorch, with the reason). The GPT itself goes to Fabric: Fabric puts the
+    # precision context around forward() only, and GPT.forward(x, targets) returns the loss.
+    recipe = GPTLightningModule(GPTConfig(name=args.model, n_layer=args.n_layer),
+                                backend=args.backend, learning_rate=args.lr, min_lr=args.lr / 10,
+                                warmup_steps=args.warmup_steps, lr_decay_steps=args.steps,
+                                compile=args.compile, cuda_graphs=False)
+    recipe.configure_model()
+    optimization = recipe.configure_optimizers()
+    scheduler = optimization["lr_scheduler"]["scheduler"]
+    model, optimizer = fabric.setup(recipe.model, optimization["optimizer"])
+    guard = FabricNaNGuard(fabric, model, optimizer, check_every=args.log_every)
+
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin,
+             "guard": guard, "step": 0}
+    if os.path.exists(args.ckpt) and not args.fresh:
+        fabric.load(args.ckpt, state)
+        fabric.print(f"resumed from {args.ckpt} at step {state['step']}")
+    fabric.print(f"precision: {plugin.tag}")
+
+    blocks = corpus_blocks(min(args.seq_len, recipe.config.block_size), args.corpus_chars)
+    n_val = max(1, len(blocks) // 10)
+    train, val = blocks[:-n_val], blocks[-n_val:]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1337))
+    rank, world = fabric.global_rank, fabric.world_size
+
+    def batch_at(step: int) -> torch.Tensor:
+        """This rank's batch of ``step``: a function of the step alone, so a resume is exact."""
+        first = (step * world + rank) * args.batch_size
+        rows = order[torch.arange(first, first + args.batch_size) % len(train)]
+        return fabric.to_device(train[rows].long())
+
+    start, losses, t0 = state["step"], [], time.perf_counter()
+    model.train()
+    for step in range(start, args.steps):
+        batch = batch_at(step)
+        loss = model(batch[:, :-1], batch[:, 1:])
+        fabric.backward(loss)
+        # error_if_nonfinite=False: a non-finite norm is the guard's to handle (on the device)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        guard.before_optimizer_step(loss, norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        guard.after_optimizer_step()
+        state["step"] = step + 1
+        if state["step"] % args.log_every == 0 or state["step"] == args.steps:
+            losses.append(loss.item())  # the one host sync every log_every steps
+            ms = 1000 * (time.perf_counter() - t0) / (state["step"] - start)
+            fabric.print(f"step {state['step']:>5} | loss {losses[-1]:.4f} | "
+                         f"lr {scheduler.get_last_lr()[0]:.2e} | {ms:.0f} ms/step | "
+                         f"{plugin.effective_precision}")
+        if state["step"] % args.save_every == 0 or state["step"] == args.steps:
+            save(fabric, args.ckpt, state)
+    guard.end()
+
+    model.eval()  # evaluation forwards run BF16 (FabricFP8Precision(fp8_eval=True) for FP8)
+    with torch.no_grad():
+        batch = fabric.to_device(val[: args.batch_size].long())
+        val_loss = fabric.all_reduce(model(batch[:, :-1], batch[:, 1:]), reduce_op="mean").item()
+    fabric.print(f"val loss {val_loss:.4f} after {state['step']} steps; checkpoint: {args.ckpt}")
+    return {"step": state["step"], "losses": losses, "val_loss": val_loss, "plugin": plugin,
+            "guard": guard}
+
+
+if __name__ == "__main__":  # (also keeps spawned data-loader workers from re-running it)
+    main()

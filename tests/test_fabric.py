@@ -1,0 +1,162 @@
+"""Lightning Fabric: the FP8 plugin and the NaN guard in a Fabric loop (here: the CPU fallback).
+
+FP8 itself under Fabric runs in tests/test_gpu_fabric.py.
+"""
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning.config import ConfigError, GPTConfig
+from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.model import GPT
+from fp8_lightning.te_support import fallback_precision
+
+B, T = 2, 32
+# A small vocabulary: the 50k GPT-2 one makes the LM head and its AdamW update most of a step.
+TINY = GPTConfig(name="tiny", n_layer=1, vocab_size=1024)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PretendFP8(FabricFP8Precision):
+    """A FabricFP8Precision whose FP8 switch is usable on a CPU, for the guard's policy (as
+    tests.helpers.PretendFP8Precision for the Trainer); what FP8 does is tested on the GPU."""
+
+    def convert_module(self, module):
+        module = super().convert_module(module)
+        self.fp8_available = self.fp8_active = True
+        self.reason = "pretend FP8 (CPU test)"
+        return module
+
+    def _verify_fp8_ran(self):  # nothing runs FP8 on a CPU
+        self._verify_pending = False
+
+
+def set_up(plugin=None, seed=0, **guard):
+    plugin = plugin or FabricFP8Precision()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(seed)
+    model = GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    model, optimizer = fabric.setup(model, optimizer)
+    guard = FabricNaNGuard(fabric, model, optimizer, **{"check_every": 2, **guard})
+    return fabric, plugin, model, optimizer, guard
+
+
+BATCH = torch.randint(0, 1000, (B, T + 1), generator=torch.Generator().manual_seed(0))
+
+
+def train(fabric, model, optimizer, guard, start, stop, poison=()):
+    """The loop of examples/fabric_train.py on one batch (the curve depends on the state alone)."""
+    losses = []
+    for step in range(start, stop):
+        loss = model(BATCH[:, :-1], BATCH[:, 1:])
+        if step in poison:
+            loss = loss * float("nan")
+        fabric.backward(loss)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        guard.before_optimizer_step(loss, norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.after_optimizer_step()
+        losses.append(loss.item())
+    guard.end()
+    return losses
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fabric_loop_falls_back_with_the_reason_and_resumes_exactly(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        fabric, plugin, model, optimizer, guard = set_up()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("FP8 is not available: ") for m in warnings), warnings
+    expected = {"bf16-mixed": "bf16", "32-true": "fp32"}[fallback_precision()[0]]
+    assert not plugin.fp8_active and plugin.effective_precision == expected
+    assert plugin.history[-1]["event"] == "unavailable" and "fallback: " in plugin.tag
+
+    losses = train(fabric, model, optimizer, guard, 0, 3)
+    path = tmp_path / "fabric.ckpt"
+    state = {"model": model, "optimizer": optimizer, "fp8": plugin, "guard": guard, "step": 3}
+    fabric.save(path, state)
+    saved = params(model)
+    losses += train(fabric, model, optimizer, guard, 3, 6)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
+
+    ckpt = torch.load(path, weights_only=True)  # plain types and tensors only
+    assert ckpt["fp8"]["effective_precision"] == expected and ckpt["guard"]["global_step"] == 3
+
+    fabric2, plugin2, model2, optimizer2, guard2 = set_up(seed=1)  # other weights, until loaded
+    state2 = {"model": model2, "optimizer": optimizer2, "fp8": plugin2, "guard": guard2, "step": 0}
+    assert fabric2.load(path, state2) == {}
+    assert state2["step"] == 3 and guard2.global_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(params(model2), saved))
+    opt_a, opt_b = ckpt["optimizer"]["state"], optimizer2.state_dict()["state"]
+    assert opt_a.keys() == opt_b.keys() and all(
+        torch.equal(opt_a[k][name], opt_b[k][name]) for k in opt_a for name in opt_a[k])
+    assert plugin2.history[: len(ckpt["fp8"]["history"])] == ckpt["fp8"]["history"]
+    assert plugin2.reason == plugin.reason
+    train(fabric2, model2, optimizer2, guard2, 3, 6)
+    assert all(torch.equal(a, b) for a, b in zip(params(model2), params(model)))
+
+
+def test_outputs_come_back_fp32_from_a_bf16_forward(monkeypatch):
+    import fp8_lightning.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fallback_precision", lambda: ("bf16-mixed", "BF16 (test)"))
+    fabric, plugin, model, _, _ = set_up()
+    inside = []
+    model.module.lm_head.register_forward_hook(lambda m, a, out: inside.append(out.dtype))
+    logits = model(BATCH[:, :-1])
+    assert plugin.effective_precision == "bf16" and inside == [torch.bfloat16]
+    assert logits.dtype == torch.float32  # as Fabric's own bf16-mixed returns them
+
+
+def test_the_trainer_plugin_under_fabric_names_the_fabric_one():
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision()])
+    model = fabric.setup(GPT(TINY))
+    with pytest.raises(TypeError, match="with Fabric use fp8_lightning.fabric.FabricFP8Precision"):
+        fabric.backward(model(BATCH[:, :-1], BATCH[:, 1:]))
+
+
+def test_fabric_guard_skips_rolls_back_to_bf16_and_reenables_fp8():
+    fabric, plugin, model, optimizer, guard = set_up(
+        PretendFP8(), max_bad_steps=3, window=10, bf16_steps=4, snapshot_every=2)
+    train(fabric, model, optimizer, guard, 0, 14, poison=(4, 5, 6))
+    assert [(e["event"], e["step"]) for e in guard.events] == [
+        ("skipped", 4), ("skipped", 5), ("skipped", 6), ("rollback", 8), ("bf16_fallback", 8),
+        ("fp8_reenabled", 12)]
+    assert "in-memory snapshot of step 4" in guard.events[3]["detail"]
+    assert [(h["event"], h["step"]) for h in plugin.history][-2:] == [("disabled", 8), ("enabled", 12)]
+    assert plugin.fp8_active and all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.state_dict()["global_step"] == 14 and guard.fp8_incidents == 1
+
+
+def test_fabric_guard_arguments():
+    with pytest.raises(ConfigError, match="FabricNaNGuard.rollback='checkpoint' needs the Trainer"):
+        FabricNaNGuard(None, None, None, rollback="checkpoint")
+    with pytest.raises(ConfigError, match="FabricNaNGuard.check_every=0 must be an integer"):
+        FabricNaNGuard(None, None, None, check_every=0)
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("fabric_train", ROOT / "examples" / "fabric_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--ckpt", str(tmp_path / "last.ckpt"), "--n_layer", "1", "--batch_size", "2",
+            "--seq_len", "32", "--corpus_chars", "20000", "--log_every", "1",
+            "--accelerator", "cpu"]
+    first = example.main(args + ["--steps", "2"])
+    assert first["step"] == 2 and (tmp_path / "last.ckpt").is_file()
+    second = example.main(args + ["--steps", "3"])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out and "val loss" in out
+    assert second["step"] == 3 and len(second["losses"]) == 1
+    assert all(torch.isfinite(torch.tensor(r["losses"] + [r["val_loss"]])).all() for r in (first, second))

@@ -1,0 +1,97 @@
+"""Packaging: declared dependencies and extras, one version source, the public API, the console
+script, and training without the optional extras."""
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import fp8_lightning
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+CORE = {Requirement(r).name.lower().replace("_", "-"): Requirement(r) for r in PROJECT["dependencies"]}
+EXTRAS = {k: [Requirement(r) for r in v] for k, v in PROJECT["optional-dependencies"].items()}
+
+
+def test_imported_third_party_packages_are_declared():
+    assert "pyyaml" in CORE  # `import yaml` in cli, bench, fp8_stats
+    assert "matplotlib" not in CORE  # only compare and bench draw: the [plots] extra
+    assert [r.name for r in EXTRAS["plots"]] == ["matplotlib"]
+    assert [r.name for r in EXTRAS["stats"]] == ["nvdlfw-inspect"]  # FP8Stats' tensor statistics
+    # the tests draw: [dev] brings the plots extra
+    assert any(r.name == "fp8-lightning" and r.extras == {"plots"} for r in EXTRAS["dev"])
+
+
+def test_private_apis_are_capped_and_te_floor_is_the_one_checked():
+    from fp8_lightning.te_support import TE_MIN_VERSION, TE_REQUIREMENT
+
+    for name in ("lightning", "litdata"):  # private APIs used: an upper bound each
+        assert any(s.operator == "<" for s in CORE[name].specifier), CORE[name]
+        assert importlib.metadata.version(name) in CORE[name].specifier
+    (te,) = EXTRAS["te"]
+    assert str(te.specifier) == f">={TE_MIN_VERSION}" == TE_REQUIREMENT.requirement.split("engine")[1]
+
+
+def test_one_version_source():
+    assert "version" not in PROJECT and PROJECT["dynamic"] == ["version"]
+    init = (ROOT / "fp8_lightning" / "__init__.py").read_text()
+    assert re.findall(r'^__version__ = "([^"]+)"$', init, re.M) == [fp8_lightning.__version__]
+    assert importlib.metadata.version("fp8-lightning") == fp8_lightning.__version__
+
+
+def test_all_is_complete_and_importable():
+    for name in ("GPTLightningModule", "TokenShardDataModule", "prepare", "TrainingMonitor",
+                 "FP8Precision", "GPT", "GPTConfig", "Checkpoint", "NaNGuard", "__version__"):
+        assert name in fp8_lightning.__all__
+    namespace: dict = {}
+    exec("from fp8_lightning import *", namespace)
+    assert set(fp8_lightning.__all__) <= set(namespace)
+    # every public class the package exposes at the top level is listed
+    public = {n for n, v in vars(fp8_lightning).items()
+              if not n.startswith("_") and isinstance(v, type)}
+    assert public <= set(fp8_lightning.__all__), public - set(fp8_lightning.__all__)
+
+
+def test_console_script_is_declared_and_in_the_readme():
+    assert PROJECT["scripts"] == {"fp8-lightning": "fp8_lightning.cli:main"}
+    assert "`fp8-lightning COMMAND ...`" in (ROOT / "README.md").read_text()
+
+
+NO_MATPLOTLIB = """
+import importlib.abc, importlib.metadata, sys
+
+class NoMatplotlib(importlib.abc.MetaPathFinder):  # as if not installed: no module, no metadata
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+def hide(lookup):
+    def wrapped(name):
+        if name.lower() == "matplotlib":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return lookup(name)
+    return wrapped
+
+sys.meta_path.insert(0, NoMatplotlib())
+importlib.metadata.version = hide(importlib.metadata.version)
+importlib.metadata.distribution = hide(importlib.metadata.distribution)
+"""
+
+
+def test_training_and_compare_tables_need_no_matplotlib():
+    """Without the [plots] extra: the package, the CLI, bench and compare import; drawing is one
+    clear error naming the extra."""
+    code = NO_MATPLOTLIB + (
+        "import fp8_lightning, fp8_lightning.cli, fp8_lightning.compare, fp8_lightning.bench\n"
+        "from fp8_lightning.compare import MissingExtraError, pyplot\n"
+        "try:\n    pyplot('x')\nexcept MissingExtraError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == 'x needs matplotlib: pip install "fp8-lightning[plots]"'
