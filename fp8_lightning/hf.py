@@ -18,6 +18,8 @@ The layouts differ from this package's in four places, all handled here:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -280,28 +282,46 @@ def _is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+def init_source(init_from: str) -> tuple[GPTConfig, Optional[str]]:
+    """What ``model.init_from`` describes: its model config and the tokenizer its weights were
+    trained with (``gpt2``, a path, or None when it does not say). Read once per run (the module
+    asks when it is built and again at ``setup``), again when the files change."""
+    path = Path(init_from).expanduser()
+    marker = path / "config.json" if _is_hf_directory(path) else path
+    stamp = marker.stat().st_mtime_ns if marker.exists() else None
+    config, tokenizer = _init_source(init_from, stamp)
+    return dataclasses.replace(config), tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _init_source(init_from: str, stamp: Optional[int]) -> tuple[GPTConfig, Optional[str]]:
+    from .checkpoint import is_sharded_checkpoint, load_checkpoint_file, recorded_config
+    from .tokenizer import tokenizer_of
+
+    path = Path(init_from).expanduser()
+    if _is_hf_directory(path):
+        return gpt_config_from_hf(read_config(path), str(path / "config.json")), tokenizer_of(path)
+    if path.is_file() or is_sharded_checkpoint(path):
+        checkpoint = load_checkpoint_file(path, mmap=True)
+        config = recorded_config(checkpoint, path)
+        if config is None:
+            raise ConfigError([f"model.init_from={init_from!r}: the checkpoint has no model config "
+                               "(not an fp8-lightning checkpoint); valid: a Hugging Face model "
+                               "directory or a checkpoint of this package"], "model")
+        return config, (checkpoint.get("fp8_lightning") or {}).get("tokenizer")
+    if path.is_dir():
+        raise ConfigError([f"model.init_from={init_from!r} is a directory without config.json: "
+                           "neither a Hugging Face model directory nor a sharded checkpoint"],
+                          "model")
+    raise FileNotFoundError(f"model.init_from={init_from!r} does not exist (a Hugging Face "
+                            "model directory or a checkpoint file)")
+
+
 def init_config(init_from: str, config: Optional[GPTConfig]) -> GPTConfig:
     """The model config of ``model.init_from`` (a Hugging Face directory or a checkpoint of this
     package); a ``config`` the user also set must describe the same model (one error listing
     every field that differs)."""
-    from .checkpoint import is_sharded_checkpoint, load_checkpoint_file, recorded_config
-
-    path = Path(init_from).expanduser()
-    if _is_hf_directory(path):
-        source = gpt_config_from_hf(read_config(path), str(path / "config.json"))
-    elif path.is_file() or is_sharded_checkpoint(path):
-        source = recorded_config(load_checkpoint_file(path, mmap=True), path)
-        if source is None:
-            raise ConfigError([f"model.init_from={init_from!r}: the checkpoint has no model config "
-                               "(not an fp8-lightning checkpoint); valid: a Hugging Face model "
-                               "directory or a checkpoint of this package"], "model")
-    elif path.is_dir():
-        raise ConfigError([f"model.init_from={init_from!r} is a directory without config.json: "
-                           "neither a Hugging Face model directory nor a sharded checkpoint"],
-                          "model")
-    else:
-        raise FileNotFoundError(f"model.init_from={init_from!r} does not exist (a Hugging Face "
-                                "model directory or a checkpoint file)")
+    source = init_source(init_from)[0]
     if config is not None:
         theirs, ours = source.to_dict(), config.to_dict()
         diffs = [f"model.config.{k}={ours[k]!r} but {init_from} has {k}={v!r}"
@@ -324,19 +344,6 @@ def init_weights(model: torch.nn.Module, init_from: str) -> None:
         ckpt = consolidate_checkpoint(path)
         state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
     load_into(model, state, init_from)
-
-
-def init_tokenizer(init_from: str) -> Optional[str]:
-    """The tokenizer that goes with ``model.init_from``'s weights (``gpt2`` or a path), or None
-    when it does not say."""
-    from .checkpoint import load_checkpoint_file
-    from .tokenizer import tokenizer_of
-
-    path = Path(init_from).expanduser()
-    if _is_hf_directory(path):
-        return tokenizer_of(path)
-    meta = load_checkpoint_file(path, mmap=True).get("fp8_lightning") or {}
-    return meta.get("tokenizer")
 
 
 # ------------------------------------------------------------------------------------ out

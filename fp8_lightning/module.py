@@ -230,10 +230,10 @@ class GPTLightningModule(L.LightningModule):
                             f"dataset's tokenizer ({meta.get('tokenizer')}: {meta['vocab_size']}); "
                             f"set model.config.vocab_size={meta['vocab_size']}")
         if self.hparams.init_from is not None and datamodule is not None:
-            from .hf import init_tokenizer
+            from .hf import init_source
             from .tokenizer import same_tokenizer
 
-            wanted = init_tokenizer(self.hparams.init_from)
+            wanted = init_source(self.hparams.init_from)[1]
             used = meta.get("tokenizer") or getattr(datamodule, "tokenizer", None)
             if wanted and used and not same_tokenizer(wanted, used):
                 problems.append(f"data.tokenizer={used!r} but the weights of model.init_from were "

@@ -206,8 +206,6 @@ def _warn_once(logger: Any, where: str, message: str) -> None:
         rank_zero_warn(message)
 
 
-add_text = log_text  # the name safety.py and older code use
-
 
 def console_print(trainer: "L.Trainer", line: str) -> None:
     """Print without breaking Lightning's progress bar (rank zero only)."""

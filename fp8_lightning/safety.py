@@ -40,7 +40,7 @@ from typing_extensions import override
 from .checkpoint import load_checkpoint_file
 from .config import ConfigError
 from .distributed import local_tensor
-from .monitor import add_text, log_metrics
+from .monitor import log_metrics, log_text
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class NaNGuard(Callback):
         if plugin is not None:
             metrics["guard/fp8_active"] = float(plugin.fp8_active)
         log_metrics(trainer, metrics)
-        add_text(trainer, "guard/events", f"step {step}: **{kind}** {detail}")
+        log_text(trainer, "guard/events", f"step {step}: **{kind}** {detail}")
 
     @override
     def state_dict(self) -> dict[str, Any]:

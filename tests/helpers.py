@@ -14,6 +14,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 
+# The GPU tests' small GPT-2 (every dim a multiple of 16, so it runs FP8) and its micro-batch.
+GPU_SMALL = dict(n_layer=4, n_head=4, n_embd=256, ffn_hidden=1024, block_size=128)
+GPU_B, GPU_T = 8, 128
+
+
 class BatchLog(Callback):
     """Appends ``{"step", "batch", "loss", "lr"}`` per training step to a JSON-lines file."""
 

@@ -15,10 +15,11 @@ from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 from fp8_lightning.data import EMBEDDED_CORPUS
 
+from tests.helpers import GPU_B, GPU_SMALL, GPU_T
+
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(n_layer=4, n_head=4, n_embd=256, ffn_hidden=1024, block_size=128)
-B, T = 8, 128
+SMALL, B, T = GPU_SMALL, GPU_B, GPU_T
 
 
 @pytest.fixture(scope="module")
