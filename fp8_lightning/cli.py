@@ -179,7 +179,7 @@ class FP8LightningCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError) as err:
             # Lightning's own checks of the Trainer's arguments (devices, accelerator,
             # precision beside a precision plugin, ...): a bad config, not a crash.
@@ -189,6 +189,15 @@ class FP8LightningCLI(LightningCLI):
                            "FP8Precision sets the precision); drop one, e.g. --trainer.plugins null "
                            "for a plain BF16 run")
             raise ConfigError([message], "trainer") from None
+        # Lightning picks RichModelSummary whenever `rich` is importable (transformers' and
+        # typer's dependency, so often): it prints to the terminal directly, uncounted FLOPs
+        # column included, past the console filter that rewrites the plain summary. The plain
+        # summary goes through logging, so the console shows the same table either way.
+        from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+        trainer.callbacks = [ModelSummary(max_depth=cb._max_depth)
+                             if type(cb) is RichModelSummary else cb for cb in trainer.callbacks]
+        return trainer
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:

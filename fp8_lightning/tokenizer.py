@@ -73,7 +73,8 @@ class HFTokenizer:
             else:
                 self._tok = _Tok.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
-            raise ConfigError([f"tokenizer={str(path)!r} is not a valid Hugging Face tokenizer "
+            what = "tokenizer directory" if Path(path).is_dir() else "tokenizer.json"
+            raise ConfigError([f"tokenizer={str(path)!r} is not a valid Hugging Face {what} "
                                f"({err}); valid: 'gpt2', the tokenizer.json saved with a model, "
                                "or a directory with tokenizer.json or vocab.json + merges.txt"],
                               "tokenizer") from None

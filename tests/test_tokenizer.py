@@ -49,5 +49,5 @@ def test_a_tokenizer_without_end_of_text_or_not_a_tokenizer_is_a_config_error(tm
     with pytest.raises(ConfigError, match="none of the end-of-text tokens"):
         get_tokenizer(str(tmp_path))
     (tmp_path / "other.json").write_text('{"not": "a tokenizer"}')
-    with pytest.raises(ConfigError, match="other.json' is not a valid Hugging Face tokenizer"):
+    with pytest.raises(ConfigError, match="other.json' is not a valid Hugging Face tokenizer.json"):
         get_tokenizer(str(tmp_path / "other.json"))
