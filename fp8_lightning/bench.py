@@ -10,7 +10,7 @@ a step whose host time is near its GPU time is host-bound.
 FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are against the baseline
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
-Variants are ``<base>[-bf16ends][-te-attn][-eager][-nograph]``:
+Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograph]``:
 
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
   ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
@@ -22,6 +22,8 @@ Variants are ``<base>[-bf16ends][-te-attn][-eager][-nograph]``:
   policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for the config's own recipe, its fields.
 * ``-bf16ends``: the layer policy keeps the first and last block BF16 (FP8 variants only).
 * ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
+* ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
+  delayed and current only); ``-fp8-head``: the LM head in FP8 (``fp8_lm_head``).
 
 All variants keep fp32 master weights (``bf16-mixed``), whatever the config's ``weights``.
 """
@@ -64,7 +66,7 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
     "te-bf16": ("te", None, True),
     **{f"fp8-{r}": ("te", r, True) for r in RECIPES},
 }
-SUFFIXES = ("-bf16ends", "-te-attn", "-eager", "-nograph")
+SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph")
 
 
 def method(device: torch.device) -> str:
@@ -173,6 +175,8 @@ class Variant:
     attention: str = "sdpa"
     bf16_ends: bool = False
     graphs: bool = False
+    fp8_attention: bool = False
+    fp8_head: bool = False
 
 
 def parse_variant(name: str) -> Variant:
@@ -184,21 +188,26 @@ def parse_variant(name: str) -> Variant:
     problems = []
     if base not in BASES:
         problems.append(f"variant {name!r}; valid: {', '.join(BASES)}, optionally followed by "
-                        f"-bf16ends (FP8 variants), -te-attn, -eager and -nograph (TE variants)")
+                        f"-bf16ends, -fp8-attn, -fp8-head (FP8 variants), -te-attn, -eager and "
+                        f"-nograph (TE variants)")
     else:
         backend, recipe, compiled = BASES[base]
         if "-te-attn" in flags and backend != "te":
             problems.append(f"variant {name!r}: -te-attn needs a TE variant (te-bf16, fp8-*)")
-        if "-bf16ends" in flags and recipe is None:
-            problems.append(f"variant {name!r}: -bf16ends needs an FP8 variant (fp8-*)")
+        for flag in ("-bf16ends", "-fp8-head"):
+            if flag in flags and recipe is None:
+                problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
+        if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
+            problems.append(f"variant {name!r}: -fp8-attn needs fp8-delayed or fp8-current")
         for flag in ("-eager", "-nograph"):
             if flag in flags and backend != "te":
                 problems.append(f"variant {name!r}: {flag} needs a TE variant (te-bf16, fp8-*)")
     if problems:
         raise ConfigError(problems, "bench --variants")
     return Variant(name, backend, recipe, compiled and "-eager" not in flags,
-                   "te" if "-te-attn" in flags else "sdpa",
-                   "-bf16ends" in flags, backend == "te" and "-nograph" not in flags)
+                   "te" if flags & {"-te-attn", "-fp8-attn"} else "sdpa",
+                   "-bf16ends" in flags, backend == "te" and "-nograph" not in flags,
+                   "-fp8-attn" in flags, "-fp8-head" in flags)
 
 
 def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precision], list[str]]:
@@ -234,6 +243,10 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
         args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe][1]})
     if variant.bf16_ends:
         args.update(bf16_first_layers=1, bf16_last_layers=1)
+    if variant.fp8_attention:
+        args.update(fp8_dpa=True)
+    if variant.fp8_head:
+        args.update(fp8_lm_head=True)
     return dict(args, recipe=variant.recipe, weights="bf16-mixed", on_unavailable="error")
 
 
@@ -377,8 +390,10 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3) -> dict[str, float]:
-    """GPU kernel time per step by category (ms), from the PyTorch profiler over ``steps``."""
+def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3, top: int = 40
+                 ) -> tuple[dict[str, float], list[list[Any]]]:
+    """GPU kernel time per step by category (ms), from the PyTorch profiler over ``steps``, and
+    the ``top`` kernels ([name, category, ms per step, calls per step])."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -386,13 +401,17 @@ def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3) 
             step()
         torch.cuda.synchronize(device)
     totals: dict[str, float] = {}
+    kernels = []
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if us and event.device_type.name == "CUDA":
             category = kernel_category(event.key)
             totals[category] = totals.get(category, 0.0) + us / 1e3 / steps
+            kernels.append([event.key[:160], category, round(us / 1e3 / steps, 3),
+                            event.count / steps])
     totals["total"] = sum(totals.values())
-    return {k: round(v, 3) for k, v in sorted(totals.items())}
+    kernels.sort(key=lambda k: -k[2])
+    return {k: round(v, 3) for k, v in sorted(totals.items())}, kernels[:top]
 
 
 def host_profile(step: Callable[[], Any], steps: int = 3, top: int = 12) -> list[list[Any]]:
@@ -437,7 +456,7 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
     host, host_note = host_ms(step, device)
     result.update(host_ms=host, host_note=host_note)
     if profile and device.type == "cuda":
-        result["profile_ms"] = profile_step(step, device)
+        result["profile_ms"], result["profile_kernels"] = profile_step(step, device)
         result["host_profile"] = host_profile(step)
     module = step.module  # type: ignore[attr-defined]
     compiled, graphs = module.compiled, bool(getattr(module._graphs, "active", False))

@@ -47,11 +47,12 @@ def _warn(message: str) -> None:
 # Fields each recipe takes, with defaults. The TE class is looked up by name at build time.
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "delayed": ("DelayedScaling", dict(fp8_format="hybrid", margin=0, amax_history_len=1024,
-                                       amax_compute_algo="max", reduce_amax=True)),
-    "current": ("Float8CurrentScaling", dict(fp8_format="hybrid")),
+                                       amax_compute_algo="max", reduce_amax=True, fp8_dpa=False)),
+    "current": ("Float8CurrentScaling", dict(fp8_format="hybrid", fp8_dpa=False)),
     "block": ("Float8BlockScaling", dict(fp8_format="e4m3")),
     "mxfp8": ("MXFP8BlockScaling", dict(fp8_format="e4m3", margin=0)),
 }
+# fp8_dpa: attention itself (cuDNN, ``model.attention: te``) in FP8; a beta feature of TE.
 FORMATS = ("hybrid", "e4m3")  # E5M2-only training is not supported by TE
 REMOVED_KEYS = {
     "interval": "removed in TransformerEngine 2.x (scales are updated every step)",
@@ -203,6 +204,8 @@ class FP8PrecisionBase(FabricPrecision):
         amax_compute_algo: delayed: ``max`` or ``most_recent``.
         reduce_amax: delayed: reduce amax across the data-parallel group.
         weights: ``bf16-mixed`` (fp32 master weights, BF16 autocast) or ``bf16-true``.
+        fp8_dpa: attention in FP8 too (delayed, current; needs ``model.attention: te``; a beta
+            feature of TransformerEngine; default off).
         fp8_eval: run validation/test/predict in FP8 too (default BF16).
         fp8_lm_head: run the LM head in FP8 (default BF16).
         bf16_first_layers: the first N transformer blocks stay BF16.
@@ -214,7 +217,7 @@ class FP8PrecisionBase(FabricPrecision):
                  fp8_format: Optional[Literal["hybrid", "e4m3"]] = None,
                  margin: Optional[int] = None, amax_history_len: Optional[int] = None,
                  amax_compute_algo: Optional[Literal["max", "most_recent"]] = None,
-                 reduce_amax: Optional[bool] = None,
+                 reduce_amax: Optional[bool] = None, fp8_dpa: Optional[bool] = None,
                  weights: Literal["bf16-mixed", "bf16-true"] = "bf16-mixed",
                  fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
                  bf16_last_layers: int = 0,
@@ -232,7 +235,7 @@ class FP8PrecisionBase(FabricPrecision):
             raise ConfigError(problems, "FP8Precision")
         self.recipe_config = build_recipe_config(
             recipe, fp8_format=fp8_format, margin=margin, amax_history_len=amax_history_len,
-            amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax)
+            amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax, fp8_dpa=fp8_dpa)
         self.weights, self.precision = weights, weights
         self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers

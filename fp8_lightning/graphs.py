@@ -38,7 +38,8 @@ def fp8_state() -> tuple[bool, Any, Any]:
 class BlockGraphs:
     """The captured graphs of a model's blocks, and the switch between them and eager."""
 
-    def __init__(self, model: nn.Module, batch_shape: tuple[int, int]) -> None:
+    def __init__(self, model: nn.Module, batch_shape: tuple[int, int],
+                 clone_grads: bool = True) -> None:
         fp8, recipe, group = fp8_state()
         blocks = tuple(model.blocks)
         B, T = batch_shape
@@ -58,7 +59,8 @@ class BlockGraphs:
                                 enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
                 te_module().make_graphed_callables(blocks, samples, num_warmup_iters=3,
                                                    enabled=fp8, recipe=recipe,
-                                                   amax_reduction_group=group)
+                                                   amax_reduction_group=group,
+                                                   clone_param_grads_on_return=clone_grads)
         finally:
             # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
             type(blocks[0]).__call__ = block_call
@@ -108,14 +110,23 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = ()
 FAILED = "failed"  # prepare_graphs' result after a failed capture: never tried again
 
 
-def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int]) -> Any:
+def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
+                   accumulate_grad_batches: int = 1) -> Any:
     """Before a training forward: capture on first use, then replay only while the micro-batch
-    shape and the FP8 state are the ones captured (else eager for this step)."""
+    shape and the FP8 state are the ones captured (else eager for this step).
+
+    Without gradient accumulation the parameter gradients are the graphs' own static buffers
+    (TE's ``clone_param_grads_on_return=False``): each step's optimizer consumes them before the
+    next replay overwrites them, and ``zero_grad(set_to_none=True)`` (Lightning's default) drops
+    them, so the clone of every gradient per step (a full pass over them: ~3 ms at 1.3B on an
+    H100) is saved. With accumulation the next micro-batch's replay would overwrite the gradient
+    being accumulated into, so they are cloned.
+    """
     if graphs is FAILED:
         return graphs
     if graphs is None:
         try:
-            graphs = BlockGraphs(model, batch_shape)
+            graphs = BlockGraphs(model, batch_shape, clone_grads=accumulate_grad_batches > 1)
         except Exception as err:  # noqa: BLE001 - the step still runs, eagerly, and says why
             for block in model.blocks:
                 block.__dict__.pop("forward", None)

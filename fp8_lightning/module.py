@@ -205,7 +205,9 @@ class GPTLightningModule(L.LightningModule):
         if self.training and self._use_graphs():
             from .graphs import prepare_graphs
 
-            self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape))
+            trainer = self._trainer
+            self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
+                                          trainer.accumulate_grad_batches if trainer else 1)
         if self.compiled and not self._compile_checked:
             try:
                 loss = self.model(x, y)

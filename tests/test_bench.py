@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.bench import DEFAULT_VARIANTS, bench, fp8_plugin_args, load_run_config, \
     parse_variant
 from fp8_lightning.config import ConfigError
@@ -75,11 +76,15 @@ def test_variant_names():
     v = parse_variant("fp8-delayed-nograph-eager")
     assert (v.recipe, v.compile, v.graphs) == ("delayed", False, False)
     assert parse_variant("torch-compile").compile and not parse_variant("torch-eager").compile
+    v = parse_variant("fp8-delayed-fp8-attn-fp8-head")  # FP8 attention implies TE attention
+    assert (v.attention, v.fp8_attention, v.fp8_head) == ("te", True, True)
     assert all(parse_variant(name) for name in DEFAULT_VARIANTS)
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
                          ("torch-eager-te-attn", "-te-attn needs a TE variant"),
                          ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant"),
-                         ("torch-compile-nograph", "-nograph needs a TE variant")):
+                         ("torch-compile-nograph", "-nograph needs a TE variant"),
+                         ("te-bf16-fp8-head", "-fp8-head needs an FP8 variant"),
+                         ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)
 
@@ -95,6 +100,9 @@ def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     block = fp8_plugin_args(run, parse_variant("fp8-block"))
     assert "amax_history_len" not in block and "fp8_format" not in block  # block's own defaults
     assert block["on_unavailable"] == "error" and block["weights"] == "bf16-mixed"
+    fp8_attn = fp8_plugin_args(run, parse_variant("fp8-current-fp8-attn-fp8-head"))
+    assert fp8_attn["fp8_dpa"] is True and fp8_attn["fp8_lm_head"] is True
+    assert FP8Precision(**fp8_attn).recipe_config["fp8_dpa"] is True
 
 
 def test_bench_errors_name_the_field(tmp_path):

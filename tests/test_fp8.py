@@ -13,8 +13,9 @@ from fp8_lightning.model import GPT
 def test_recipe_defaults_per_recipe():
     assert build_recipe_config("delayed") == {
         "recipe": "delayed", "fp8_format": "hybrid", "margin": 0, "amax_history_len": 1024,
-        "amax_compute_algo": "max", "reduce_amax": True}
-    assert build_recipe_config("current") == {"recipe": "current", "fp8_format": "hybrid"}
+        "amax_compute_algo": "max", "reduce_amax": True, "fp8_dpa": False}
+    assert build_recipe_config("current") == {"recipe": "current", "fp8_format": "hybrid",
+                                              "fp8_dpa": False}
     assert build_recipe_config("block")["fp8_format"] == "e4m3"
 
 
@@ -23,6 +24,7 @@ def test_recipe_defaults_per_recipe():
     ("delayed", {"interval": 1}, "interval: removed in TransformerEngine 2.x.*valid fields"),
     ("delayed", {"amax_histroy_len": 16}, "amax_histroy_len is not a field of recipe='delayed'"),
     ("current", {"margin": 1}, "margin is not a field of recipe='current'; valid: fp8_format"),
+    ("block", {"fp8_dpa": True}, "fp8_dpa is not a field of recipe='block'"),
     ("delayed", {"fp8_format": "e5m2"}, "fp8_format='e5m2'; valid: hybrid, e4m3 .E5M2-only"),
     ("block", {"fp8_format": "hybrid"}, "recipe='block'; valid: e4m3"),
     ("delayed", {"amax_compute_algo": "mean"}, "amax_compute_algo='mean'; valid: max, most_recent"),
@@ -119,7 +121,7 @@ def test_state_dict_round_trip_and_switch_history(fallback):
     assert a.enable_fp8() is False
     state = a.state_dict()
     torch.save(state, "/dev/null")  # plain types only
-    assert state["recipe"] == {"recipe": "current", "fp8_format": "hybrid"}
+    assert state["recipe"] == {"recipe": "current", "fp8_format": "hybrid", "fp8_dpa": False}
     assert state["effective_precision"] == fallback and state["fp8_active"] is False
     b = FP8Precision(recipe="current")
     b.load_state_dict(state)
