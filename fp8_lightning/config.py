@@ -97,6 +97,11 @@ class GPTConfig:
     bias: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     norm_eps: Optional[float] = None
+    fp32_residual: Optional[bool] = None
+    """Carry the residual stream in float32 under autocast (the embedding's dtype, as nanoGPT
+    does). Unset: yes on the torch backend; no on the TE backend, which carries it in the
+    autocast dtype as TE's TransformerLayer and Megatron-LM do: half the traffic in every residual
+    add and norm and no per-block casts (GPT 1.3B, FP8, H100: 125.1 -> 115.5 ms/step)."""
     padded_vocab_size: Optional[int] = None
     """Derived: vocab_size rounded up to a multiple of 128 (do not set by hand)."""
 

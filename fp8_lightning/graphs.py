@@ -43,10 +43,11 @@ class BlockGraphs:
         fp8, recipe, group = fp8_state()
         blocks = tuple(model.blocks)
         B, T = batch_shape
-        weight = model.wte.weight  # the residual stream has the embedding's dtype and device
+        weight = model.wte.weight
+        dtype = model.residual_dtype(weight)  # the residual stream as the blocks receive it
         # One sample per block: the residual stream (B, T, C) as the block receives it, and the
         # RoPE tables (the same tensors every step, so a replay copies nothing for them).
-        samples = tuple((torch.randn(B, T, weight.shape[1], dtype=weight.dtype,
+        samples = tuple((torch.randn(B, T, weight.shape[1], dtype=dtype,
                                      device=weight.device, requires_grad=True), *model.rope(T))
                         for _ in blocks)
         self.key = self.key_of(batch_shape, fp8)

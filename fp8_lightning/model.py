@@ -109,6 +109,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.backend = config, backend
         c = config
+        self.fp32_residual = c.fp32_residual if c.fp32_residual is not None else backend == "torch"
         layers = LayerFactory(backend, attention)
         device = layers.device
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
@@ -166,7 +167,15 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         if self.config.position == "learned":
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        return x, self.rope(T)
+        return x.to(self.residual_dtype(x)), self.rope(T)
+
+    def residual_dtype(self, weight: torch.Tensor) -> torch.dtype:
+        """The residual stream's dtype (``fp32_residual``): the embedding's, or the autocast
+        dtype while autocast is on for ``weight``'s device."""
+        device = weight.device.type
+        if self.fp32_residual or not torch.is_autocast_enabled(device):
+            return self.wte.weight.dtype
+        return torch.get_autocast_dtype(device)
 
     def rope(self, T: int) -> tuple[torch.Tensor, ...]:
         """The blocks' RoPE tables for T positions (cos, sin: (T, hs)); empty with learned ones."""

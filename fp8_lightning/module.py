@@ -59,6 +59,15 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_s
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
+def takes_grad_scale(optimizer: torch.optim.Optimizer, params: Any) -> bool:
+    """Does ``optimizer`` divide the gradients by its ``grad_scale`` in the update: torch's fused
+    Adam/AdamW on plain tensors (FSDP's DTensor parameters keep the separate clip)."""
+    from torch.distributed.tensor import DTensor
+
+    return (isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+            and not any(isinstance(p, DTensor) for p in params))
+
+
 class GPTLightningModule(L.LightningModule):
     """Trains a GPT with next-token cross-entropy.
 
@@ -276,10 +285,20 @@ class GPTLightningModule(L.LightningModule):
         # Clip with the norm on_after_backward already computed: no second pass, no host sync.
         # (Lightning's own path refuses fused optimizers under bf16-mixed, and the fused AdamW is
         # what lets the NaN guard skip a step on the device.)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        fold = takes_grad_scale(optimizer, self.parameters())
+        if fold:
+            optimizer.grad_scale = None  # no clip this step unless set below
         if not gradient_clip_val:
             return
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
+        elif self.grad_norm is not None and fold:
+            # The clip as the fused AdamW's ``grad_scale`` (the divisor GradScaler uses): the
+            # update divides each gradient by it in its own pass and writes the clipped gradient
+            # back, instead of a separate multiply over every gradient (~4 ms per step at 1.3B
+            # on an H100). Same coefficient as clip_grads_with_norm_: max_norm / (norm + 1e-6).
+            optimizer.grad_scale = (self.grad_norm + 1e-6).div(gradient_clip_val).clamp(min=1.0)
         elif self.grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.parameters(), gradient_clip_val,
                                                  self.grad_norm)

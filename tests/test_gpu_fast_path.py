@@ -47,7 +47,10 @@ def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, skip_
     # skip_batches: a resumed run's plain DataLoader restarts its epoch; starting it where the
     # checkpoint left off gives it the batches the uninterrupted run saw
     data = blocks.repeat(4, 1)[skip_batches * B:]
-    loader = torch.utils.data.DataLoader(data, batch_size=B, shuffle=False, drop_last=True)
+    # Pinned, as fp8_lightning's data modules load: a pageable host->device copy waits for the
+    # stream to drain, a sync per step that no user's fit has.
+    loader = torch.utils.data.DataLoader(data, batch_size=B, shuffle=False, drop_last=True,
+                                         pin_memory=True)
     losses = Losses()
     trainer = L.Trainer(
         max_steps=steps, plugins=[FP8Precision(recipe="delayed")], accelerator="gpu", devices=1,

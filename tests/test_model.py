@@ -178,3 +178,24 @@ def test_compiled_regions_keep_names_and_compile_each_region_once():
     uncompile_model(model)
     assert torch.allclose(model(idx[:, :-1], idx[:, 1:]), eager, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_residual_stream_dtype_follows_fp32_residual():
+    """Under BF16 autocast the residual stream stays float32 on the torch backend (nanoGPT's
+    behaviour, the baseline's) unless ``fp32_residual=False``, which carries it in BF16 (the TE
+    backend's default) through every block; without autocast it is the weights' dtype."""
+    idx = torch.randint(0, 64, (2, 8))
+    seen = {}
+    for fp32 in (None, False):
+        model = GPT(GPTConfig(name="tiny", vocab_size=64, fp32_residual=fp32))
+        assert model.fp32_residual is (fp32 is None)
+        dtypes = []
+        model.blocks[-1].register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x, _ = model.embed(idx)
+            loss = model(idx, idx)
+        loss.backward()
+        assert torch.isfinite(loss) and model.wte.weight.grad is not None
+        seen[fp32] = (x.dtype, dtypes[0])
+        assert model.embed(idx)[0].dtype == torch.float32  # no autocast: the weights' dtype
+    assert seen == {None: (torch.float32, torch.float32), False: (torch.bfloat16, torch.bfloat16)}

@@ -77,3 +77,31 @@ def test_bench_times_the_modules_training_step():
     loss = step()
     assert torch.isfinite(loss)
     assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters()) if p.ndim == 2)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and left as it is
+def test_the_clip_folded_into_fused_adamw_is_the_separate_clip(max_norm):
+    """configure_gradient_clipping hands the clip to the fused AdamW as its ``grad_scale``: the
+    parameters after the step and the gradients it leaves are those of clip_grads_with_norm_
+    followed by the same step; without a clip the scale is cleared again."""
+    results = []
+    for fold in (True, False):
+        torch.manual_seed(0)
+        module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch", lr_decay_steps=10)
+        module.configure_model()
+        optimizer = module.configure_optimizers()["optimizer"]
+        idx = torch.randint(0, 512, (2, 17))
+        module.loss(idx)[0].backward()
+        module.on_after_backward()
+        if fold:
+            module.configure_gradient_clipping(optimizer, max_norm, "norm")
+            assert optimizer.grad_scale is not None
+        else:
+            assert module_lib.takes_grad_scale(optimizer, module.parameters())
+            torch.nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, module.grad_norm)
+        optimizer.step()
+        results.append([t.detach().clone() for p in module.parameters() for t in (p, p.grad)])
+        module.configure_gradient_clipping(optimizer, None)
+        assert optimizer.grad_scale is None
+    for folded, separate in zip(*results):
+        torch.testing.assert_close(folded, separate, rtol=1e-5, atol=1e-7)
