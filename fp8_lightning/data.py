@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -442,7 +443,11 @@ class TokenShardDataModule(L.LightningDataModule):
     def dataset_dir(self) -> str:
         if self.data_dir:
             return self.data_dir.rstrip("/")
-        tok = "gpt2" if self.tokenizer == "gpt2" else Path(self.tokenizer).stem
+        tok = "gpt2"
+        if self.tokenizer != "gpt2":  # by content: two tokenizer.json files are two caches
+            path = Path(self.tokenizer)
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "?"
+            tok = f"{path.stem}-{digest}"
         return str(self.cache_dir / f"tinyshakespeare-{tok}-s{self.seq_len}")
 
     @property

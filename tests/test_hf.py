@@ -195,3 +195,49 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
     run_cli(["convert", "--from-hf", gpt2_dir, ckpt], capsys)
     code, _, err = run_cli(["convert", "--to-hf", ckpt, out], capsys)
     assert code == 2 and "exists and is not empty" in err and (out / "mine.txt").read_text() == "keep"
+
+
+def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dirs, tmp_path,
+                                                                          capsys, monkeypatch):
+    """Weights trained with one tokenizer and data tokenized with another: `fit` stops at setup
+    (before the model is built) with one line naming data.tokenizer and the value that fits,
+    exit status 2, no traceback, no checkpoint. (Following the line trains: run by hand; here it
+    would prepare the corpus a second time.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    monkeypatch.chdir(tmp_path)  # whatever Lightning writes by default lands here
+    directory = tmp_path / "llama"  # the tiny Llama with a tokenizer of its own (not GPT-2's)
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (directory / name).write_bytes((hf_dirs["llama"][0] / name).read_bytes())
+    tk = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(["to be or not to be"] * 20,
+                           trainers.BpeTrainer(special_tokens=["[UNK]", "</s>"], vocab_size=60))
+    tk.save(str(directory / "tokenizer.json"))
+    run = tmp_path / "run"
+    code, _, err = run_cli(["fit", "--model.init_from", directory, "--trainer.max_steps", "1",
+                            "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+                            "--data.batch_size", "2", "--data.num_workers", "0",
+                            "--trainer.default_root_dir", run], capsys)  # data.tokenizer: gpt2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err[-2000:]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert (f"data.tokenizer='gpt2' but the weights of model.init_from were trained with "
+            f"'{directory.resolve()}'; set --data.tokenizer {directory.resolve()}") in errors[0]
+    assert "model: weights from" not in err  # stopped before the model was built
+    assert not list(run.rglob("*.ckpt"))
+
+
+def test_readme_fine_tune_config_has_hugging_face_gpt2s_shape(tmp_path):
+    """README: `fit --config configs/gpt2_fp8.yaml --model.init_from hf/gpt2` needs no
+    --model.config: the config's model is the shape of Hugging Face's GPT-2 (124M)."""
+    import yaml
+
+    from fp8_lightning.hf import init_config
+
+    transformers.GPT2Config().save_pretrained(tmp_path)  # gpt2's config.json: the defaults
+    root = Path(__file__).resolve().parents[1]
+    model = yaml.safe_load((root / "configs" / "gpt2_fp8.yaml").read_text())["model"]
+    ours = GPTConfig(**model["config"])
+    assert init_config(str(tmp_path), ours).to_dict() == ours.to_dict()

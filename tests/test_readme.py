@@ -81,6 +81,25 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_cli.py::test_prepare_command", "tests/test_data.py::test_prepare_jsonl_puts_eot_between_documents"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --data.data_dir data/mycorpus": (
         GPU, "tests/test_readme.py::test_fit_commands_run_a_step"),  # as scripts/convergence.sh runs it
+    # Hugging Face weights in and out: tiny GPT-2 and Llama directories built by transformers.
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --model.init_from hf/gpt2 "
+    "--data.data_dir data/mycorpus": (
+        "tests/test_readme.py::test_fit_commands_run_a_step",  # parses
+        "tests/test_hf.py::test_readme_fine_tune_config_has_hugging_face_gpt2s_shape",
+        "tests/test_hf.py::test_fine_tune_from_hf_under_the_fp8_plugin",
+        "tests/test_hf.py::test_init_from_with_a_different_config_names_every_field",
+        "tests/test_hf.py::test_init_from_with_another_tokenizer_than_the_data_is_one_error_line",
+        "tests/test_gpu_hf.py::test_converted_gpt2_fine_tunes_under_fp8_and_converts_back", GPU),
+    "python -m fp8_lightning convert --to-hf runs/gpt2_fp8/checkpoints/last.ckpt hf/gpt2-mine": (
+        "tests/test_readme.py::test_other_commands_take_their_flags",
+        "tests/test_hf.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
+        "tests/test_hf.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
+    "python -m fp8_lightning convert --from-hf hf/gpt2 gpt2.ckpt": (
+        "tests/test_readme.py::test_other_commands_take_their_flags",
+        "tests/test_hf.py::test_weights_in_give_transformers_logits",
+        "tests/test_hf.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
+        "tests/test_hf.py::test_converted_checkpoint_generates_and_records_its_tokenizer",
+        "tests/test_hf.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
     "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml": (
         GPU, "tests/test_gpu_bench.py::test_bench_runs_every_variant_or_says_why",
         "tests/test_bench.py::test_bench_cli_prints_table_and_writes_json_and_png"),
@@ -188,6 +207,8 @@ def parse_only(argv: list[str]) -> str:
     """Why a README `fit` command is only parsed here ("" when it runs a step)."""
     if "--ckpt_path" in argv:
         return "resumes: tests/test_checkpoint.py runs the resume"
+    if "--model.init_from" in argv:
+        return "needs a Hugging Face model directory: tests/test_hf.py fine-tunes tiny ones"
     if any(a in ("configs/ddp.yaml", "configs/fsdp.yaml") for a in argv):
         return "several processes: tests/test_distributed.py runs DDP/FSDP2 on the CPU"
     if "--data.data_dir" in argv:
@@ -213,10 +234,13 @@ def test_fit_commands_run_a_step(argv, capsys, at_root, tmp_path):
 @pytest.mark.parametrize("argv", [[sub, *argv] for sub in EXTRA_COMMANDS
                                   for argv in fp8_lightning_commands(sub)], ids=" ".join)
 def test_other_commands_take_their_flags(argv, capsys):
-    """Each flag a README `prepare/checkpoints/generate/compare/bench/doctor` command uses exists."""
+    """Each flag a README `prepare/checkpoints/generate/compare/convert/bench/doctor` command
+    uses exists."""
     code, out, err = run_main(capsys, [argv[0], "--help"])
     assert code == 0, err
     for flag in (a for a in argv[1:] if a.startswith("--")):
+        if argv[0] == "convert":  # `--from-hf`/`--to-hf` are the CLI's spellings of `--from_hf`
+            flag = {"--from-hf": "--from_hf", "--to-hf": "--to_hf"}.get(flag, flag)
         assert re.search(rf"{re.escape(flag)}\b", out), f"{argv[0]} --help has no {flag}"
 
 
