@@ -236,7 +236,8 @@ class GPTLightningModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         meta = getattr(datamodule, "meta", None) or {}
         problems = []
-        if meta.get("vocab_size", 0) > self.config.vocab_size:
+        # (With init_from the vocabulary is the weights': a mismatch is the tokenizer's, below.)
+        if meta.get("vocab_size", 0) > self.config.vocab_size and self.hparams.init_from is None:
             problems.append(f"model.config.vocab_size={self.config.vocab_size} is smaller than the "
                             f"dataset's tokenizer ({meta.get('tokenizer')}: {meta['vocab_size']}); "
                             f"set model.config.vocab_size={meta['vocab_size']}")

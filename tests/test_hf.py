@@ -225,6 +225,7 @@ def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dir
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
     assert (f"data.tokenizer='gpt2' but the weights of model.init_from were trained with "
             f"'{directory.resolve()}'; set --data.tokenizer {directory.resolve()}") in errors[0]
+    assert "model.config.vocab_size" not in errors[0]  # the weights fix it: the tokenizer is the fix
     assert "model: weights from" not in err  # stopped before the model was built
     assert not list(run.rglob("*.ckpt"))
 
