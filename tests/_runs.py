@@ -1,6 +1,8 @@
 """Short quickstart fits through the CLI, run once per test session and shared by the monitor,
-generate and compare tests (each CLI fit costs tens of seconds on a small CPU)."""
+generate and compare tests (each CLI fit costs tens of seconds on a small CPU), and the small
+vocabulary that fits which are not about the tokenizer train on."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +11,77 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 _RUNS: dict = {}
 
+# A byte-level tokenizer: the 256 bytes and <|endoftext|>. The quickstart's GPT-2 vocabulary
+# (50,257) makes the embedding and LM head ~95% of the `tiny` model: most of a CPU step, of its
+# AdamW update and of every checkpoint (40 MB instead of 2 MB).
+BYTES_VOCAB = 257
+
 
 def run_cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def byte_tokenizer(path: Path) -> Path:
+    """Write a Hugging Face tokenizer.json: byte-level BPE without merges (one token per byte,
+    any text round-trips) plus <|endoftext|>, ids 0..256."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    tok.save(str(path))
+    return path
+
+
+def shared_dir(tmp_path_factory, name, make):
+    """The directory ``name``, filled by ``make(path)`` once for the whole test run: under xdist
+    the first worker process that needs it makes it (behind a file lock) while the others wait,
+    then all read it; without xdist, once per session."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above every worker's own
+    path = root / name
+    with FileLock(f"{path}.lock"):
+        if not (path / ".made").is_file():
+            shutil.rmtree(path, ignore_errors=True)  # a make that failed part way
+            path.mkdir()
+            make(path)
+            (path / ".made").touch()
+    return path
+
+
+def _prepare_bytes_data(root: Path) -> None:
+    from fp8_lightning.data import EMBEDDED_CORPUS, prepare, preserved_rng
+
+    (root / "corpus.txt").write_text(EMBEDDED_CORPUS.read_text()[:300_000])
+    with preserved_rng():
+        meta = prepare([str(root / "corpus.txt")], str(root / "ds"),
+                       tokenizer=str(byte_tokenizer(root / "tokenizer.json")), seq_len=128,
+                       val_fraction=0.15, num_workers=1)
+    assert meta["vocab_size"] == BYTES_VOCAB, meta
+
+
+def bytes_data(tmp_path_factory) -> Path:
+    """A directory with ``tokenizer.json`` (:func:`byte_tokenizer`) and ``ds``, the quickstart
+    corpus's first 300,000 characters prepared with it for the quickstart's blocks (129 tokens):
+    made once per test run."""
+    return shared_dir(tmp_path_factory, "bytes-data", _prepare_bytes_data)
+
+
+def small_vocab(tmp_path_factory):
+    """CLI arguments for a fit on a 257-token vocabulary, for the tests of what a fit does that
+    are not about the tokenizer: :func:`bytes_data` and a model of that vocabulary."""
+    root = bytes_data(tmp_path_factory)
+    # data.tokenizer as well: TrainingMonitor's text sample encodes its prompt with it.
+    return ["--data.data_dir", str(root / "ds"), "--data.tokenizer", str(root / "tokenizer.json"),
+            "--model.config.vocab_size", str(BYTES_VOCAB)]
 
 
 def short_fit(tmp_path_factory, name, *overrides):

@@ -13,8 +13,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session", autouse=True)
 def _data_cache(tmp_path_factory):
-    """One cache for the embedded corpus per test session (never the user's ~/.cache)."""
-    cache = tmp_path_factory.mktemp("fp8l-cache")
+    """One cache for the embedded corpus per test run (never the user's ~/.cache), shared by the
+    xdist worker processes: the quickstart's dataset is prepared once (litdata's spawned workers
+    make a prepare cost ~30 s of CPU), not once per process. Two processes that prepare the same
+    dataset at once each publish it complete and identical (atomically, prepare's own way)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "fp8l-cache"  # above every worker's own
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("fp8l-cache")
     old = os.environ.get("FP8L_CACHE")
     os.environ["FP8L_CACHE"] = str(cache)
     yield cache
@@ -24,11 +31,20 @@ def _data_cache(tmp_path_factory):
         os.environ["FP8L_CACHE"] = old
 
 
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory):
+    """CLI arguments for a fit on a small vocabulary (see ``_runs.small_vocab``): for the fits
+    whose tests are not about the tokenizer (checkpoints, resume, signals, several processes)."""
+    from _runs import small_vocab
+
+    return small_vocab(tmp_path_factory)
+
+
 # The files with the longest runs (several-process fits, data preparation, resumes) first: with
 # `-n auto --dist loadfile` a file runs in one process, and a long file handed out last leaves
 # the other processes idle at the end.
-LONGEST_FIRST = ("test_distributed.py", "test_data.py", "test_checkpoint.py", "test_cli.py",
-                 "test_signals.py", "test_console.py")
+LONGEST_FIRST = ("test_data.py", "test_distributed.py", "test_bad_input.py", "test_checkpoint.py",
+                 "test_readme.py", "test_console.py", "test_signals.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):

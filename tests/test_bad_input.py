@@ -5,7 +5,10 @@ The cases run in this process through ``fp8_lightning.cli.main`` (the package is
 the Lightning parser is built per case), so the table stays fast enough for the CPU suite. A
 case is ``(id, argv, expected)``: ``expected`` is a substring of the error line (the field or
 file it names, and usually what would be valid). ``{tmp}`` in argv is the case's own directory,
-``{ckpt}`` a real 10-step quickstart checkpoint, ``{run}`` that run's directory.
+``{ckpt}`` a real 10-step quickstart checkpoint, ``{run}`` that run's directory. That run trains
+on a small vocabulary, the ``small_vocab`` fixture (each case copies and hashes its checkpoints,
+which GPT-2's 50k vocabulary makes 20x larger); ``{small_vocab}`` in argv stands for its
+arguments, also in the cases that get as far as the data (none prepares the embedded corpus).
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import short_fit
+from _runs import bytes_data, short_fit
 from test_security import craft
 from fp8_lightning.cli import main
-from fp8_lightning.data import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir", "{tmp}/run"]
 FP8 = "--trainer.plugins.init_args."
+SMALL_VOCAB = "{small_vocab}"  # the {ckpt} run's data and model (no fit prepares the corpus)
 
 
 def fit(*args: str) -> list[str]:
@@ -79,7 +82,8 @@ FP8_FIELDS = [
      "amax_history_len is not a field of recipe='block'"),
     ("bf16-first-negative", fit(FP8 + "bf16_first_layers", "-1"), "bf16_first_layers=-1"),
     ("bf16-last-negative", fit(FP8 + "bf16_last_layers", "-2"), "bf16_last_layers=-2"),
-    ("bf16-first-beyond-model", fit(FP8 + "bf16_first_layers", "5", "--trainer.max_steps", "1"),
+    ("bf16-first-beyond-model", fit(FP8 + "bf16_first_layers", "5", "--trainer.max_steps", "1",
+                                    SMALL_VOCAB),
      "bf16_first_layers=5 is more than the model's 2 blocks"),
     ("weights-fp16", fit(FP8 + "weights", "fp16"), "weights='fp16'"),
     ("on-unavailable-typo", fit(FP8 + "on_unavailable", "crash"), "on_unavailable='crash'"),
@@ -112,18 +116,20 @@ DIMS = [
     ("micro-batch-not-16", fit("--model.config.block_size", "127", "--data.batch_size", "1"),
      "data.batch_size=1 x seq_len=127"),
     ("emulate-ranks-zero", fit("--data.emulate_ranks", "0"), "data.emulate_ranks=0"),
-    ("emulate-without-accumulation", fit("--data.emulate_ranks", "2", "--trainer.max_steps", "1"),
+    ("emulate-without-accumulation", fit("--data.emulate_ranks", "2", "--trainer.max_steps", "1",
+                                         SMALL_VOCAB),
      "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2"),
-    ("model-vocab-below-data", fit("--model.config.vocab_size", "1000", "--trainer.max_steps", "1"),
-     "model.config.vocab_size=1000 is smaller than the dataset's tokenizer"),
+    ("model-vocab-below-data", fit(SMALL_VOCAB, "--model.config.vocab_size", "100",
+                                   "--trainer.max_steps", "1"),
+     "model.config.vocab_size=100 is smaller than the dataset's tokenizer"),
 ]
 DATA = [
     ("data-dir-missing", fit("--data.data_dir", "{tmp}/nope"), "data.data_dir='{tmp}/nope' does not exist"),
     ("data-dir-not-prepared", fit("--data.data_dir", "{tmp}"), "is not a prepared dataset"),
     ("data-index-broken", fit("--data.data_dir", "{tmp}/ds_bad_index"), "ds_bad_index/train/index.json"),
     ("data-shard-truncated", fit("--data.data_dir", "{tmp}/ds_truncated"), "ds_truncated/train/chunk-0-0.bin"),
-    ("data-smaller-than-a-batch", fit("--data.data_dir", "{tmp}/ds", "--data.batch_size", "64"),
-     "data.batch_size=64"),
+    ("data-smaller-than-a-batch", fit("--data.data_dir", "{tmp}/ds", "--data.batch_size", "512"),
+     "data.batch_size=512"),
     ("data-ids-outside-vocab", fit("--data.data_dir", "{tmp}/ds_bad_ids", "--trainer.max_steps", "1",
                                    "--trainer.num_sanity_val_steps", "0"), "50303"),
 ]
@@ -159,9 +165,9 @@ CHECKPOINTS = [
     ("ckpt-truncated", fit("--ckpt_path", "{tmp}/truncated.ckpt"), "truncated.ckpt' is truncated or corrupt"),
     ("ckpt-crafted-pickle", fit("--ckpt_path", "{tmp}/evil.ckpt"), "evil.ckpt'"),
     ("ckpt-a-tensor", fit("--ckpt_path", "{tmp}/tensor.ckpt"), "tensor.ckpt' is not a Lightning checkpoint"),
-    ("ckpt-other-model", fit("--ckpt_path", "{ckpt}", "--model.config.n_layer", "3"),
+    ("ckpt-other-model", fit(SMALL_VOCAB, "--ckpt_path", "{ckpt}", "--model.config.n_layer", "3"),
      "model.config.n_layer=3 but the checkpoint was trained with n_layer=2"),
-    ("ckpt-other-seq-len", fit("--ckpt_path", "{ckpt}", "--data.shuffle", "false"),
+    ("ckpt-other-seq-len", fit(SMALL_VOCAB, "--ckpt_path", "{ckpt}", "--data.shuffle", "false"),
      "data.shuffle=False but the checkpoint was trained with True"),
     ("validate-ckpt-missing", ["validate", "--config", "configs/quickstart.yaml", "--ckpt_path",
                                "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
@@ -231,8 +237,8 @@ class Evil:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out, _ = short_fit(tmp_path_factory, "run_a")
+def run(tmp_path_factory, small_vocab):
+    out, _ = short_fit(tmp_path_factory, "small_vocab_run", *small_vocab)
     return out
 
 
@@ -252,11 +258,8 @@ def files(tmp_path_factory, run):
     (tmp / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)
     (tmp / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "no closing brace"\n')
     (tmp / "notext.jsonl").write_text('{"body": "the text is elsewhere"}\n')
-    # A small prepared dataset (a few blocks of the quickstart's 128 tokens) and broken copies.
-    text = (ROOT / "fp8_lightning/assets/tinyshakespeare.txt").read_text()[:20_000]
-    (tmp / "shakespeare.txt").write_text(text)
-    prepare([str(tmp / "shakespeare.txt")], str(tmp / "ds"), seq_len=128, val_fraction=0.3,
-            num_workers=1)
+    # The run's prepared dataset (348 val blocks of the quickstart's 129 tokens), broken copies.
+    shutil.copytree(bytes_data(tmp_path_factory) / "ds", tmp / "ds")
     for name in ("ds_bad_index", "ds_truncated", "ds_bad_ids"):
         shutil.copytree(tmp / "ds", tmp / name)
     (tmp / "ds_bad_index" / "train" / "index.json").write_text("{not json")
@@ -299,7 +302,8 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("case_id,argv,expected", TABLE, ids=[c[0] for c in TABLE])
 def test_bad_input_is_one_error_line_exit_2_and_nothing_lost(case_id, argv, expected, files, run,
-                                                             tmp_path, capsys, monkeypatch):
+                                                             small_vocab, tmp_path, capsys,
+                                                             monkeypatch):
     shared, ckpt = files
     monkeypatch.chdir(ROOT)
     for f in shared.iterdir():  # the case's own copy of every bad file
@@ -313,7 +317,7 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_lost(case_id, argv, expe
 
     before = {"ckpt": tree_digest(ckpt.parent), "tmp": tree_digest(tmp_path)}
     with pytest.raises(SystemExit) as exit_info:
-        main([fill(a) for a in argv])
+        main([b for a in argv for b in (small_vocab if a == SMALL_VOCAB else [fill(a)])])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2, err[-2000:]

@@ -1,4 +1,7 @@
-"""Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume."""
+"""Checkpoints: atomic under SIGKILL, what they record, listing, bad input, exact resume.
+
+The fits train on a small vocabulary (the ``small_vocab`` fixture): what a checkpoint holds and
+how a run resumes do not depend on the tokenizer."""
 
 import errno
 import io
@@ -64,9 +67,10 @@ def test_sigkill_during_write_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
+def short_run(tmp_path_factory, small_vocab):
     out = tmp_path_factory.mktemp("ckpt-run")
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "10",
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab,
+                     "--trainer.max_steps", "10",
                      "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
                      "--trainer.callbacks.init_args.every_n_train_steps", "4",
                      "--trainer.callbacks.init_args.keep_last", "2",
@@ -123,9 +127,10 @@ def fit_error(capsys, *args):
     return error_lines[0] + err.split(error_lines[0], 1)[1]
 
 
-def test_bad_checkpoints_give_one_clear_error(short_run, tmp_path, capsys, monkeypatch):
+def test_bad_checkpoints_give_one_clear_error(short_run, small_vocab, tmp_path, capsys,
+                                              monkeypatch):
     monkeypatch.chdir(ROOT)
-    root = ["--trainer.default_root_dir", str(tmp_path)]
+    root = [*small_vocab, "--trainer.default_root_dir", str(tmp_path)]
     assert "does not exist" in fit_error(capsys, *root, "--ckpt_path", str(tmp_path / "nope.ckpt"))
     (tmp_path / "trunc.ckpt").write_bytes((short_run / "last.ckpt").read_bytes()[:20000])
     assert "is truncated or corrupt" in fit_error(capsys, *root, "--ckpt_path",
@@ -321,23 +326,26 @@ def batch_log(path):
 
 
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
+def killed_run(tmp_path_factory, small_vocab):
     """12 steps straight; and the same run SIGKILLed at step 6 (after its checkpoint)."""
     tmp = tmp_path_factory.mktemp("resume")
-    straight = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
-                       str(tmp / "straight"), *batch_log(tmp / "straight.jsonl"))
+    straight = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                       "--trainer.default_root_dir", str(tmp / "straight"),
+                       *batch_log(tmp / "straight.jsonl"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
-                     str(tmp / "run"), *batch_log(tmp / "first.jsonl"),
+    killed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                     "--trainer.default_root_dir", str(tmp / "run"),
+                     *batch_log(tmp / "first.jsonl"),
                      "--trainer.callbacks+=tests.helpers.KillAt", "--trainer.callbacks.step", "6")
     assert killed.returncode == -signal.SIGKILL
     return tmp
 
 
-def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run):
+def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run, small_vocab):
     tmp = killed_run
-    resumed = run_cli(*RESUME, "--trainer.max_steps", "12", "--trainer.default_root_dir",
-                      str(tmp / "run"), *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last")
+    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                      "--trainer.default_root_dir", str(tmp / "run"),
+                      *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "data: resumed at block 24 of epoch 1 (verified)" in resumed.stderr
     straight, first, after = (records(tmp / f) for f in ("straight.jsonl", "first.jsonl",
@@ -350,9 +358,9 @@ def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_ru
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
-def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run):
+def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run, small_vocab):
     tmp = killed_run
-    resumed = run_cli(*RESUME, "--trainer.max_steps", "9", "--data.batch_size", "8",
+    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "9", "--data.batch_size", "8",
                       "--trainer.default_root_dir", str(tmp / "run"),
                       *batch_log(tmp / "bs8.jsonl"), "--ckpt_path",
                       str(tmp / "run" / "checkpoints" / "step-0000006.ckpt"))
@@ -362,9 +370,11 @@ def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_
     assert after == straight[24:48]  # samples 24.. of the stream: nothing replayed or skipped
 
 
-def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, capsys, monkeypatch):
+def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, small_vocab, capsys,
+                                                              monkeypatch):
     monkeypatch.chdir(ROOT)
-    message = fit_error(capsys, "--trainer.default_root_dir", str(killed_run / "other"),
+    message = fit_error(capsys, *small_vocab, "--trainer.default_root_dir",
+                        str(killed_run / "other"),
                         "--model.config.block_size", "64", "--ckpt_path",
                         str(killed_run / "run" / "checkpoints" / "step-0000006.ckpt"))
     assert "block_size=64 but the checkpoint was trained with block_size=128" in message

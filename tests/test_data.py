@@ -24,19 +24,38 @@ def read_split(root, split, block):
     return [int(t) for i in range(len(ds)) for t in ds[i]]
 
 
-def test_prepare_round_trip_decodes_to_the_source_text(tmp_path):
-    src = tmp_path / "a.txt"
-    src.write_text(TEXT_A)
-    meta = prepare([str(src)], str(tmp_path / "ds"), seq_len=15, val_fraction=0.2, num_workers=1)
+def snapshot(root):
+    """Every file under ``root`` with its bytes: a dataset must come out of a failure unchanged."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny prepared dataset (39 train / 9 val blocks of 17 tokens); tests read it or corrupt
+    copies."""
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "a.txt").write_text(TEXT_A)
+    prepare([str(root / "a.txt")], str(root / "ds"), seq_len=16, val_fraction=0.2, num_workers=1)
+    return root / "ds"
+
+
+@pytest.fixture
+def dataset(prepared, tmp_path):
+    shutil.copytree(prepared, tmp_path / "ds")
+    return tmp_path / "ds"
+
+
+def test_prepare_round_trip_decodes_to_the_source_text(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())  # TEXT_A, seq_len=16, val_fraction=0.2
     tok = get_tokenizer("gpt2")
     ids = tok.encode(TEXT_A) + [tok.eot_id]
     assert meta["train_tokens"] + meta["val_tokens"] == len(ids)
     assert meta["documents"] == 1 and meta["vocab_size"] == 50257
     # Blocks of seq_len+1 tokens: the streamed tokens are the source's, in order, up to the
     # partial last block of each split.
-    train, val = read_split(tmp_path / "ds", "train", 16), read_split(tmp_path / "ds", "val", 16)
+    train, val = read_split(prepared, "train", 17), read_split(prepared, "val", 17)
     cut = meta["train_tokens"]
-    assert train == ids[: len(train)] and len(train) == cut // 16 * 16
+    assert train == ids[: len(train)] and len(train) == cut // 17 * 17
     assert val == ids[cut: cut + len(val)]
     assert TEXT_A.startswith(tok.decode(train))
 
@@ -98,9 +117,30 @@ def test_prepare_bad_inputs_are_one_clear_error(tmp_path):
         prepare([str(bad)], str(tmp_path / "o"), num_workers=-2)
 
 
-def test_datamodule_streams_blocks_from_the_embedded_corpus():
-    dm = TokenShardDataModule(seq_len=64, batch_size=4, num_workers=0)
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """The data module's default, the embedded corpus (blocks of 65 tokens), prepared into a cold
+    cache between two seedings of the generators: (the module, the draws the seed gives, the
+    draws it gives after that prepare)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    dm = TokenShardDataModule(seq_len=64, batch_size=4, num_workers=0,
+                              cache_dir=str(tmp_path_factory.mktemp("embedded-cache")))
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    expected = draws()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
     dm.prepare_data()
+    return dm, expected, draws()
+
+
+def test_datamodule_streams_blocks_from_the_embedded_corpus(embedded):
+    dm = embedded[0]
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (4, 65)
@@ -121,46 +161,15 @@ def test_datamodule_rejects_bad_settings_and_missing_data(tmp_path):
         dm.setup("fit")
 
 
-def test_preparing_the_embedded_corpus_leaves_the_seeded_generators_alone(tmp_path):
+def test_preparing_the_embedded_corpus_leaves_the_seeded_generators_alone(embedded):
     """A cold cache must not change the weights a seed gives (the model is built after
     prepare_data), or an FP8 run and a BF16 run of the same seed start from different weights."""
-    import random
-
-    import numpy as np
-    import torch
-
-    def draws():
-        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
-
-    torch.manual_seed(0), random.seed(0), np.random.seed(0)
-    expected = draws()
-    torch.manual_seed(0), random.seed(0), np.random.seed(0)
-    TokenShardDataModule(seq_len=64, batch_size=4, cache_dir=str(tmp_path)).prepare_data()
-    assert (tmp_path / "tinyshakespeare-gpt2-s64" / "meta.json").is_file()  # it did prepare
-    assert draws() == expected
+    dm, expected, after_prepare = embedded
+    assert (dm.cache_dir / "tinyshakespeare-gpt2-s64" / "meta.json").is_file()  # it did prepare
+    assert after_prepare == expected
 
 
 # ---------------------------------------------------------------- bad input: one clear error
-
-def snapshot(root):
-    """Every file under ``root`` with its bytes: a dataset must come out of a failure unchanged."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A tiny prepared dataset (39 train / 9 val blocks of 17 tokens); tests corrupt copies."""
-    root = tmp_path_factory.mktemp("prepared")
-    (root / "a.txt").write_text(TEXT_A)
-    prepare([str(root / "a.txt")], str(root / "ds"), seq_len=16, val_fraction=0.2, num_workers=1)
-    return root / "ds"
-
-
-@pytest.fixture
-def dataset(prepared, tmp_path):
-    shutil.copytree(prepared, tmp_path / "ds")
-    return tmp_path / "ds"
-
 
 def test_prepare_reports_every_bad_input_file_before_writing(tmp_path):
     ok = tmp_path / "ok.txt"

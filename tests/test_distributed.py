@@ -1,5 +1,8 @@
 """Several processes on the CPU (gloo): DDP and FSDP2 through the CLI and the shipped configs,
-sharded checkpoints, their consolidation, and the NaN guard's cross-rank decision."""
+sharded checkpoints, their consolidation, and the NaN guard's cross-rank decision.
+
+The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
+not the tokenizer."""
 
 import os
 from pathlib import Path
@@ -10,17 +13,19 @@ import torch
 from fp8_lightning.checkpoint import (Checkpoint, CheckpointError, consolidate_checkpoint,
                                       list_checkpoints, load_checkpoint_file)
 from fp8_lightning.checkpoint import publish_directory
+from fp8_lightning.cli import main
 from fp8_lightning.module import GPTLightningModule
-from tests._runs import run_cli
+from tests._runs import ROOT, run_cli
 
 BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
 
 
-def fit(root, *args, devices=2, config=None):
+def fit(root, data, *args, devices=2, config=None):
+    """A quickstart fit through the CLI on ``data`` (the ``small_vocab`` arguments)."""
     extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
              str(devices)] if config else []
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra,
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra, *data,
                      "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
                      "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
                      "--trainer.callbacks.init_args.every_n_train_steps", "3",
@@ -34,15 +39,15 @@ def digests(path):
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
+def ddp_runs(tmp_path_factory, small_vocab):
     root = tmp_path_factory.mktemp("ddp")
-    first = fit(root, "--trainer.max_steps", "6",
+    first = fit(root, small_vocab, "--trainer.max_steps", "6",
                 "--trainer.callbacks+=fp8_lightning.FaultInjection",
                 "--trainer.callbacks.kind", "grad", "--trainer.callbacks.steps", "[2]",
                 "--trainer.callbacks.ranks", "[1]",
                 "--trainer.callbacks+=tests.helpers.RankDigest",
                 "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
-    second = fit(root, "--trainer.max_steps", "9", "--ckpt_path", "last",
+    second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
                  "--trainer.callbacks+=tests.helpers.RankDigest",
                  "--trainer.callbacks.path", str(root / "digest2"), config="configs/ddp.yaml")
     return root, first, second
@@ -69,13 +74,14 @@ def test_ddp_checkpoint_counts_every_rank_and_resumes_in_step(ddp_runs):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
+def fsdp_runs(tmp_path_factory, small_vocab):
     root = tmp_path_factory.mktemp("fsdp")
-    first = fit(root, "--trainer.max_steps", "6", config="configs/fsdp.yaml")
+    first = fit(root, small_vocab, "--trainer.max_steps", "6", config="configs/fsdp.yaml")
     (root / "after6").mkdir()
     for name in (".metadata", "meta.pt"):  # the step-6 checkpoint's index, for the checks below
         (root / "after6" / name).write_bytes((root / "checkpoints/last.ckpt" / name).read_bytes())
-    second = fit(root, "--trainer.max_steps", "9", "--ckpt_path", "last", config="configs/fsdp.yaml")
+    second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
+                 config="configs/fsdp.yaml")
     return root, first, second
 
 
@@ -94,11 +100,10 @@ def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_ru
 
 
 def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process(
-        fsdp_runs, tmp_path):
+        fsdp_runs, small_vocab, tmp_path, capsys):
     root, _, _ = fsdp_runs
     out = tmp_path / "one.ckpt"
-    result = run_cli("consolidate", str(root / "checkpoints" / "last.ckpt"), str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
+    main(["consolidate", str(root / "checkpoints" / "last.ckpt"), str(out)])  # (in this process)
     ckpt = load_checkpoint_file(out)
     # Full tensors under the single-GPU names, loadable into a plain (unsharded) module ...
     module = GPTLightningModule(config=ckpt["hyper_parameters"]["config"], backend="torch",
@@ -113,12 +118,14 @@ def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_
             assert optimizer.state[p]["exp_avg"].shape == p.shape
             assert int(optimizer.state[p]["step"]) == 9
     # One process, no strategy: training continues from step 9 with that optimizer state.
-    log = fit(tmp_path / "single", "--trainer.max_steps", "10", "--ckpt_path", str(out))
+    log = fit(tmp_path / "single", small_vocab, "--trainer.max_steps", "10",
+              "--ckpt_path", str(out))
     assert "Restored all states from the checkpoint" in log and "(verified)" in log
     # generate reads the sharded directory directly.
-    result = run_cli("generate", "--ckpt", str(root / "checkpoints" / "last.ckpt"),
-                     "--max_new_tokens", "4", "--prompt", "ROMEO:")
-    assert result.returncode == 0 and result.stdout.startswith("ROMEO:"), result.stderr[-2000:]
+    capsys.readouterr()
+    main(["generate", "--ckpt", str(root / "checkpoints" / "last.ckpt"), "--max_new_tokens", "4",
+          "--prompt", "ROMEO:"])
+    assert capsys.readouterr().out.startswith("ROMEO:")
 
 
 def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
@@ -135,7 +142,14 @@ def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
         torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-4, rtol=0)
 
 
-def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path):
+def cli_error(capsys, *argv):
+    """``python -m fp8_lightning ARGV`` in this process: exit status and stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path, capsys):
     root, _, _ = fsdp_runs
     torn = tmp_path / "torn.ckpt"
     torn.mkdir()
@@ -145,10 +159,11 @@ def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path):
     (torn / ".metadata").write_bytes((root / "after6" / ".metadata").read_bytes())
     with pytest.raises(CheckpointError, match="shards could not be read"):
         consolidate_checkpoint(torn)  # the index is there, the shard files are not
-    result = run_cli("consolidate", str(root / "checkpoints" / "nope.ckpt"))
-    assert result.returncode == 2 and "does not exist" in result.stderr
-    result = run_cli("consolidate", str(root / "checkpoints" / "last.ckpt"), str(tmp_path))
-    assert result.returncode == 2 and "is a directory; give a file name" in result.stderr
+    code, err = cli_error(capsys, "consolidate", str(root / "checkpoints" / "nope.ckpt"))
+    assert code == 2 and "does not exist" in err
+    code, err = cli_error(capsys, "consolidate", str(root / "checkpoints" / "last.ckpt"),
+                          str(tmp_path))
+    assert code == 2 and "is a directory; give a file name" in err
 
 
 def test_publish_directory_replaces_atomically_and_leaves_no_temporaries(tmp_path):
@@ -174,18 +189,17 @@ def test_last_checkpoint_lookup_ignores_temporaries(tmp_path):
     assert callback._find_last_checkpoints(trainer) == {str(tmp_path / "checkpoints" / "last.ckpt")}
 
 
-def test_torchrun_launch_is_picked_up_by_lightning(tmp_path):
+def test_torchrun_launch_is_picked_up_by_lightning(tmp_path, small_vocab):
     # The multi-node recipe of the README, on one node: torchrun starts the processes and
     # Lightning takes rank and world size from its environment (it does not spawn its own).
     import subprocess
     import sys
 
-    from tests._runs import ROOT
-
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
          "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
-         "--config", "configs/ddp.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+         "--config", "configs/ddp.yaml", *small_vocab, "--trainer.accelerator", "cpu",
+         "--trainer.devices", "2",
          "--trainer.num_nodes", "1", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
          "--data.batch_size", str(BATCH),
          "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(tmp_path)],
@@ -197,7 +211,7 @@ def test_torchrun_launch_is_picked_up_by_lightning(tmp_path):
     assert ckpt["global_step"] == 3 and ckpt["tokens_seen"] == 3 * TOKENS_PER_STEP * 2
 
 
-def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path):
+def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path, small_vocab):
     """data.emulate_ranks: the single-device reference for a multi-GPU run reads, at every
     optimizer step, the very samples the ranks of that run read (so their losses can be compared)."""
     import json
@@ -212,23 +226,27 @@ def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path):
             steps.setdefault(row["step"], []).extend(row["samples"])
         return {step: sorted(s) for step, s in steps.items()}
 
-    fit(tmp_path / "ddp", *small, "--trainer.callbacks.path", str(tmp_path / "ddp.jsonl"),
-        config="configs/ddp.yaml")
-    log = fit(tmp_path / "one", *small, "--trainer.callbacks.path", str(tmp_path / "one.jsonl"),
-              "--data.emulate_ranks", "2", "--trainer.accumulate_grad_batches", "2")
+    fit(tmp_path / "ddp", small_vocab, *small, "--trainer.callbacks.path",
+        str(tmp_path / "ddp.jsonl"), config="configs/ddp.yaml")
+    log = fit(tmp_path / "one", small_vocab, *small, "--trainer.callbacks.path",
+              str(tmp_path / "one.jsonl"), "--data.emulate_ranks", "2",
+              "--trainer.accumulate_grad_batches", "2")
     assert "emulating 2 data-parallel ranks" in log
     ddp, one = samples_per_step(tmp_path / "ddp.jsonl"), samples_per_step(tmp_path / "one.jsonl")
     assert sorted(ddp) == sorted(one) == [0, 1, 2, 3]
     assert all(len(ddp[s]) == 8 for s in ddp)  # 2 ranks x 4
     assert ddp == one
     # A normal run (no emulation) reads another order: the comparison above is not vacuous.
-    fit(tmp_path / "plain", *small[:-1], "--data.batch_size", "8", "--trainer.callbacks+=tests.helpers.BatchLog",
-        "--trainer.callbacks.path", str(tmp_path / "plain.jsonl"))
+    fit(tmp_path / "plain", small_vocab, *small[:-1], "--data.batch_size", "8",
+        "--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path",
+        str(tmp_path / "plain.jsonl"))
     assert samples_per_step(tmp_path / "plain.jsonl") != ddp
 
 
-def test_emulate_ranks_needs_matching_accumulation(tmp_path):
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "1",
-                     "--trainer.default_root_dir", str(tmp_path), "--data.emulate_ranks", "2")
-    assert result.returncode == 2
-    assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in result.stderr
+def test_emulate_ranks_needs_matching_accumulation(tmp_path, small_vocab, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, err = cli_error(capsys, "fit", "--config", "configs/quickstart.yaml", *small_vocab,
+                          "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path),
+                          "--data.emulate_ranks", "2")
+    assert code == 2
+    assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in err

@@ -147,8 +147,9 @@ def test_plugin_trains_the_torch_backend_with_the_trainer(tmp_path):
     from fp8_lightning.module import GPTLightningModule
 
     L.seed_everything(0)
-    module = GPTLightningModule(config=GPTConfig.from_name("tiny", n_layer=1), backend="torch",
-                                learning_rate=3e-3, warmup_steps=2)
+    # (a small vocabulary: GPT-2's 50k one would be most of each CPU step)
+    module = GPTLightningModule(config=GPTConfig.from_name("tiny", n_layer=1, vocab_size=1000),
+                                backend="torch", learning_rate=3e-3, warmup_steps=2)
     data = torch.randint(0, 1000, (64, 33))
     trainer = L.Trainer(max_steps=8, plugins=[FP8Precision()], accelerator="cpu",
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -159,14 +160,14 @@ def test_plugin_trains_the_torch_backend_with_the_trainer(tmp_path):
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
-def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys):
+def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys, small_vocab):
     from pathlib import Path
 
     from fp8_lightning.cli import main
 
     config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
     with pytest.raises(SystemExit) as exit:
-        main(["fit", "--config", str(config), "--trainer.max_steps", "1",
+        main(["fit", "--config", str(config), *small_vocab, "--trainer.max_steps", "1",
               "--trainer.default_root_dir", str(tmp_path),
               "--trainer.plugins.init_args.on_unavailable", "error"])
     err = capsys.readouterr().err

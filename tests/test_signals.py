@@ -1,5 +1,6 @@
 """A fit stopped by SIGTERM or Ctrl-C saves the step it stopped at, exits 128+signal with one
-line saying how to resume, and resumes from there (CPU, through the CLI as a user runs it)."""
+line saying how to resume, and resumes from there (CPU, through the CLI as a user runs it; on a
+small vocabulary, the ``small_vocab`` fixture: the point is the signals, not the tokenizer)."""
 
 import subprocess
 import sys
@@ -10,9 +11,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fit(root, *args, new_session=False):
+def fit(root, data, *args, new_session=False):
     return subprocess.run(
-        [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
+        [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml", *data,
          "--trainer.max_steps", "50", "--trainer.limit_val_batches", "2",
          "--trainer.val_check_interval", "50", "--trainer.default_root_dir", str(root), *args],
         cwd=ROOT, text=True, capture_output=True, timeout=600, start_new_session=new_session)
@@ -32,9 +33,9 @@ def saved_step(root):
     return torch.load(root / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)["global_step"]
 
 
-def test_sigterm_saves_the_step_exits_143_and_resumes(tmp_path):
+def test_sigterm_saves_the_step_exits_143_and_resumes(tmp_path, small_vocab):
     stop = signal_at(3, "SIGTERM")
-    result = fit(tmp_path, *stop)
+    result = fit(tmp_path, small_vocab, *stop)
     assert result.returncode == 143, result.stderr[-3000:]
     assert error_lines(result) == [
         f"error: stopped by SIGTERM at step 3 (before the end of the run); the last checkpoint is "
@@ -42,7 +43,7 @@ def test_sigterm_saves_the_step_exits_143_and_resumes(tmp_path):
     assert "Traceback" not in result.stderr
     assert saved_step(tmp_path) == 3
     # What the line says: the same command with --ckpt_path last (here, to step 5).
-    resumed = fit(tmp_path, *stop, "--ckpt_path", "last", "--trainer.max_steps", "5",
+    resumed = fit(tmp_path, small_vocab, *stop, "--ckpt_path", "last", "--trainer.max_steps", "5",
                   "--trainer.log_every_n_steps", "1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not error_lines(resumed)
@@ -52,9 +53,9 @@ def test_sigterm_saves_the_step_exits_143_and_resumes(tmp_path):
     assert saved_step(tmp_path) == 5
 
 
-def test_ctrl_c_to_the_process_group_stops_after_the_step_and_exits_130(tmp_path):
+def test_ctrl_c_to_the_process_group_stops_after_the_step_and_exits_130(tmp_path, small_vocab):
     # As a terminal sends it: to the trainer and its data-loader worker alike.
-    result = fit(tmp_path, *signal_at(3, "SIGINT", group=True), new_session=True)
+    result = fit(tmp_path, small_vocab, *signal_at(3, "SIGINT", group=True), new_session=True)
     assert result.returncode == 130, result.stderr[-3000:]
     (line,) = error_lines(result)
     assert line.startswith("error: stopped by SIGINT at step 3 ") and line.endswith(
@@ -64,8 +65,8 @@ def test_ctrl_c_to_the_process_group_stops_after_the_step_and_exits_130(tmp_path
     assert saved_step(tmp_path) == 3
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_a_broken_step(tmp_path):
-    result = fit(tmp_path, *signal_at(3, "SIGINT", times=2))
+def test_a_second_ctrl_c_stops_at_once_without_saving_a_broken_step(tmp_path, small_vocab):
+    result = fit(tmp_path, small_vocab, *signal_at(3, "SIGINT", times=2))
     assert result.returncode == 130, result.stderr[-3000:]
     (line,) = error_lines(result)
     assert "stopped by SIGINT at step 2 " in line and "no checkpoint was written" in line, line
