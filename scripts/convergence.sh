@@ -2,14 +2,16 @@
 # docs/convergence.md: GPT-2 124M, STEPS steps (same seed, data and batch) in BF16 and in each
 # Hopper FP8 recipe (delayed, current, block) on ~100 MB of real Python source (the GPU image's
 # site-packages). With 4 GPUs each run has its own; with fewer the runs share them (convergence is
-# compared, not speed).
-# Usage: OUT=conv_out STEPS=2000 scripts/convergence.sh
-# Outputs: $OUT/<run>.log (console), $OUT/tb-<run>/ (TensorBoard events), $OUT/convergence.png and
-# the table of `python -m fp8_lightning compare` (final val loss and its gap to BF16).
+# compared, not speed). SEEDS runs each recipe once per seed (all runs at once).
+# Usage: OUT=conv_out STEPS=2000 SEEDS="1337 1 2" scripts/convergence.sh
+# Outputs: $OUT/<run>-s<seed>.log (console), $OUT/tb-<run>-s<seed>/ (TensorBoard events), per seed
+# $OUT/convergence-s<seed>.png and the table of `python -m fp8_lightning compare`, then
+# scripts/convergence_summary.py's mean and spread of each recipe's final val loss over the seeds.
 set -eu
 cd "$(dirname "$0")/.."
 OUT=${OUT:-conv_out}
 STEPS=${STEPS:-2000}
+SEEDS=${SEEDS:-1337}
 PYTHON=${PYTHON:-python}
 . scripts/py_data.sh
 mkdir -p "$OUT"
@@ -28,12 +30,17 @@ run() {  # run GPU NAME CONFIG ARGS...
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }
-run 0 bf16 configs/gpt2_bf16.yaml &
-run 1 fp8-delayed configs/gpt2_fp8.yaml &
-run 2 fp8-current configs/gpt2_fp8.yaml $(fp8 current) &
-run 3 fp8-block configs/gpt2_fp8.yaml $(fp8 block) &
+i=0
+runs=()
+for seed in $SEEDS; do
+    run $((i + 0)) bf16-s$seed configs/gpt2_bf16.yaml --seed_everything "$seed" &
+    run $((i + 1)) fp8-delayed-s$seed configs/gpt2_fp8.yaml --seed_everything "$seed" &
+    run $((i + 2)) fp8-current-s$seed configs/gpt2_fp8.yaml $(fp8 current) --seed_everything "$seed" &
+    run $((i + 3)) fp8-block-s$seed configs/gpt2_fp8.yaml $(fp8 block) --seed_everything "$seed" &
+    runs+=(bf16-s$seed fp8-delayed-s$seed fp8-current-s$seed fp8-block-s$seed)
+    i=$((i + 4))
+done
 wait
-runs=(bf16 fp8-delayed fp8-current fp8-block)
 for name in "${runs[@]}"; do
     grep -E "precision:|FP8 verified|NaN guard|Error|error" "$OUT/$name.log" | head -5 | sed "s/^/$name: /"
 done
@@ -44,4 +51,9 @@ for name in "${runs[@]}"; do
     mkdir -p "$OUT/tb-$name"
     cp "$(find "$OUT/$name" -name 'events.out.tfevents.*' | head -1)" "$OUT/tb-$name/" || true
 done
-$PYTHON -m fp8_lightning compare "${runs[@]/#/$OUT/tb-}" --labels "${runs[@]}" --output "$OUT/convergence.png"
+for seed in $SEEDS; do
+    these=(bf16-s$seed fp8-delayed-s$seed fp8-current-s$seed fp8-block-s$seed)
+    $PYTHON -m fp8_lightning compare "${these[@]/#/$OUT/tb-}" --labels "${these[@]}" \
+        --output "$OUT/convergence-s$seed.png"
+done
+$PYTHON scripts/convergence_summary.py "$OUT"

@@ -1,6 +1,6 @@
-"""Short quickstart fits through the CLI, run once per test session and shared by the monitor,
-generate and compare tests (each CLI fit costs tens of seconds on a small CPU), and the small
-vocabulary that fits which are not about the tokenizer train on."""
+"""Short quickstart fits through the CLI, run once per test session and shared by the console,
+monitor, generate and bad-input tests (each CLI fit costs tens of seconds on a small CPU), and
+the small vocabulary that fits which are not about the tokenizer train on."""
 
 import os
 import subprocess
@@ -96,3 +96,8 @@ def short_fit(tmp_path_factory, name, *overrides):
         assert result.returncode == 0, result.stderr[-3000:]
         _RUNS[name] = (out, result)
     return _RUNS[name]
+
+
+def small_vocab_fit(tmp_path_factory):
+    """:func:`short_fit` on :func:`small_vocab`, once per test process."""
+    return short_fit(tmp_path_factory, "small_vocab", *small_vocab(tmp_path_factory))

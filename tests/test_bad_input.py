@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import bytes_data, short_fit
+from _runs import bytes_data, small_vocab_fit
 from test_security import craft
 from fp8_lightning.cli import main
 
@@ -237,8 +237,8 @@ class Evil:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_vocab):
-    out, _ = short_fit(tmp_path_factory, "small_vocab_run", *small_vocab)
+def run(tmp_path_factory):
+    out, _ = small_vocab_fit(tmp_path_factory)
     return out
 
 

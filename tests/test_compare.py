@@ -3,8 +3,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runs import run_cli, short_fit
-from test_monitor import LINE, console_lines, csv_fit
+from _runs import run_cli
+from test_monitor import LINE, logged_fit
 
 from fp8_lightning import monitor as M
 from fp8_lightning.cli import main
@@ -15,12 +15,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """A TensorBoard run (the session's CLI quickstart fit) and a CSVLogger run (in process)."""
-    tb, result = short_fit(tmp_path_factory, "run_a")
-    csv_root = tmp_path_factory.mktemp("csv_run")
-    monitor, _ = csv_fit(csv_root)
-    printed = [l for l in console_lines(result.stdout) if LINE.match(l)]
-    return tb, csv_root, LINE.match(printed[-1])["loss"], LINE.match(monitor.lines[-1])["loss"]
+    """A TensorBoardLogger run and a CSVLogger run (in process, GPT-2's vocabulary), and the loss
+    of each one's last console line."""
+    tb, csv_root = tmp_path_factory.mktemp("tb_run"), tmp_path_factory.mktemp("csv_run")
+    tb_monitor, _ = logged_fit(tb, logger="tensorboard")
+    csv_monitor, _ = logged_fit(csv_root)
+    return tb, csv_root, LINE.match(tb_monitor.lines[-1])["loss"], \
+        LINE.match(csv_monitor.lines[-1])["loss"]
 
 
 def test_compare_reads_tensorboard_and_csv_runs(two_runs, tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 import re
 
-from _runs import run_cli, short_fit
+from _runs import run_cli, small_vocab_fit
 from fp8_lightning.console import _without_unknown_flops
 
 # Lines that must never reach the console: adverts, litdata's worker chatter and progress bars,
@@ -27,7 +27,7 @@ def plain(text):
 
 
 def test_fit_shows_what_ran_and_nothing_else(tmp_path_factory):
-    _, result = short_fit(tmp_path_factory, "run_a")
+    _, result = small_vocab_fit(tmp_path_factory)  # the quickstart, on a small vocabulary
     out, err = plain(result.stdout), plain(result.stderr)
     assert_quiet(out + err)
     assert re.search(r"^precision: \S+", err, re.M), err

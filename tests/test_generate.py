@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _runs import run_cli, short_fit
+from _runs import bytes_data, run_cli, small_vocab_fit
 
 from fp8_lightning.checkpoint import CheckpointError
 from fp8_lightning.config import ConfigError
@@ -9,7 +9,9 @@ from fp8_lightning.generate import generate
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    out, _ = short_fit(tmp_path_factory, "run_a")
+    """last.ckpt of the session's quickstart fit, trained on a small vocabulary: its own
+    tokenizer.json, not GPT-2's."""
+    out, _ = small_vocab_fit(tmp_path_factory)
     (path,) = out.rglob("last.ckpt")
     return path
 
@@ -67,15 +69,18 @@ def test_generate_errors_are_one_clear_line(ckpt, tmp_path):
         generate(str(ckpt), temperature=-1)
 
 
-def test_generate_decodes_with_the_tokenizer_the_checkpoint_was_trained_with(ckpt, tmp_path):
+def test_generate_decodes_with_the_tokenizer_the_checkpoint_was_trained_with(ckpt, tmp_path,
+                                                                            tmp_path_factory):
     """The checkpoint records the training data's tokenizer and generate uses it: a checkpoint
     trained with another tokenizer is never decoded as GPT-2 BPE (garbage with exit 0)."""
+    trained_with = str((bytes_data(tmp_path_factory) / "tokenizer.json").resolve())
     checkpoint = torch.load(ckpt, weights_only=True)
-    assert checkpoint["fp8_lightning"]["tokenizer"] == "gpt2"  # the embedded corpus's
+    assert checkpoint["fp8_lightning"]["tokenizer"] == trained_with  # the dataset's
     checkpoint["fp8_lightning"]["tokenizer"] = str(tmp_path / "llama" / "tokenizer.json")
     other = tmp_path / "other.ckpt"
     torch.save(checkpoint, other)
     with pytest.raises(ConfigError, match="(?s)trained with tokenizer .*llama/tokenizer.json.*--tokenizer"):
         generate(str(other), prompt="ROMEO:", max_new_tokens=2)
     # --tokenizer overrides what the checkpoint records
-    assert generate(str(other), prompt="ROMEO:", max_new_tokens=2, tokenizer="gpt2").startswith("ROMEO:")
+    assert generate(str(other), prompt="ROMEO:", max_new_tokens=2,
+                    tokenizer=trained_with).startswith("ROMEO:")

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from _runs import short_fit
+from _runs import small_vocab_fit
 
 from fp8_lightning import flops
 from fp8_lightning import monitor as M
@@ -116,7 +116,9 @@ def test_mfu_by_hand():
 # ----------------------------------------------------------------------------- a real fit
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory):
-    return short_fit(tmp_path_factory, "run_a")
+    """The session's 10-step quickstart fit through the CLI (on a small vocabulary: nothing the
+    monitor shows depends on the tokenizer)."""
+    return small_vocab_fit(tmp_path_factory)
 
 
 def tensorboard(run_dir):
@@ -206,17 +208,19 @@ def test_gradient_accumulation_and_fp8_stats_gate_on_cpu(tmp_path, caplog):
     assert not stats.enabled and stats.logged_steps == []
 
 
-def csv_fit(root, steps=6):
-    """A tiny in-process fit logged by CSVLogger only: lines every 2 steps, a validation with a
-    text sample at step 4 and a checkpoint save then."""
-    from lightning.pytorch.loggers import CSVLogger
+def logged_fit(root, steps=6, logger="csv"):
+    """A tiny in-process fit logged by CSVLogger only (``logger="tensorboard"``: by
+    TensorBoardLogger only): lines every 2 steps, a validation with a text sample at step 4 and a
+    checkpoint save then."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     monitor = M.TrainingMonitor(log_every=2, sample_prompt="The", sample_tokens=4, console=False)
     module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=32),
                                 warmup_steps=1)
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=4)
     trainer = L.Trainer(max_steps=steps, plugins=[FP8Precision()], accelerator="cpu",
-                        logger=CSVLogger(root), log_every_n_steps=2, enable_progress_bar=False,
+                        logger={"csv": CSVLogger, "tensorboard": TensorBoardLogger}[logger](root),
+                        log_every_n_steps=2, enable_progress_bar=False,
                         enable_model_summary=False, val_check_interval=4, limit_val_batches=1,
                         num_sanity_val_steps=0, callbacks=[monitor], default_root_dir=root)
     trainer.fit(module, loader, loader)
@@ -230,7 +234,7 @@ def test_csv_logger_keeps_text_in_text_jsonl_with_one_warning(tmp_path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        monitor, trainer = csv_fit(tmp_path)
+        monitor, trainer = logged_fit(tmp_path)
     log_dir = tmp_path / "lightning_logs" / "version_0"
     said = [str(w.message) for w in caught if "no text support" in str(w.message)]
     assert said == [f"CSVLogger has no text support: text entries (samples, fp8/events, "

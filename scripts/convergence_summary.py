@@ -1,0 +1,39 @@
+"""Mean and spread over seeds of each recipe's final validation loss, from convergence.sh's
+``$OUT/tb-<recipe>-s<seed>`` event files, and each recipe's mean gap to BF16's (the issue's
+criterion: within 1%).
+
+Usage: python scripts/convergence_summary.py OUT
+"""
+
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from fp8_lightning.compare import VAL_LOSS, _last, read_run
+
+
+def main(out: str) -> None:
+    finals: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for run_dir in sorted(Path(out).glob("tb-*-s*")):
+        recipe, seed = re.fullmatch(r"tb-(.+)-s(\d+)", run_dir.name).groups()
+        value = _last(read_run(str(run_dir)), VAL_LOSS)
+        if value is not None:
+            finals[recipe].append((seed, value))
+    base = statistics.mean(v for _, v in finals["bf16"]) if finals.get("bf16") else None
+    print("recipe      | seeds | final val loss per seed      | mean   | spread (max-min) | gap to BF16")
+    for recipe in ("bf16", "fp8-delayed", "fp8-current", "fp8-block"):
+        values = [v for _, v in finals.get(recipe, [])]
+        if not values:
+            print(f"{recipe:<11} | 0     | (no run)")
+            continue
+        mean = statistics.mean(values)
+        gap = f"{mean / base - 1:+.2%}" if base else "-"
+        per_seed = " ".join(f"{v:.4f}" for v in values)
+        print(f"{recipe:<11} | {len(values):<5} | {per_seed:<28} | {mean:.4f} | "
+              f"{max(values) - min(values):.4f}           | {gap}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
