@@ -15,6 +15,7 @@ from typing_extensions import override
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor
+from .fp8.plugin import fp8_plugin
 from .model import GPT, compile_model, uncompile_model
 from .te_support import te_status
 
@@ -363,17 +364,15 @@ class GPTLightningModule(L.LightningModule):
                                           decay_steps=decay_steps) / hp.learning_rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def _precision(self, attribute: str) -> str:
-        """An ``FP8Precision`` attribute (``tag``, ``effective_precision``), else the Trainer's."""
-        return getattr(self.trainer.precision_plugin, attribute, None) or str(self.trainer.precision)
-
     def precision_tag(self) -> str:
         """``FP8 delayed`` or ``BF16 (fallback: reason)`` under FP8Precision, else the Trainer's."""
-        return self._precision("tag")
+        plugin = fp8_plugin(self.trainer)
+        return plugin.tag if plugin is not None else str(self.trainer.precision)
 
     def effective_precision(self) -> str:
         """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""
-        return self._precision("effective_precision")
+        plugin = fp8_plugin(self.trainer)
+        return plugin.effective_precision if plugin is not None else str(self.trainer.precision)
 
     @override
     def on_train_start(self) -> None:
