@@ -157,6 +157,7 @@ class GPTLightningModule(L.LightningModule):
         # on CUDA; FSDP can build on the meta device).
         if self.model is not None:
             return
+        self._follow_fp8_engine()
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
@@ -166,6 +167,28 @@ class GPTLightningModule(L.LightningModule):
             init_weights(self.model, self.hparams.init_from)
             rank_zero_info(f"model: weights from {self.hparams.init_from}")
         self._compile()
+
+    def _follow_fp8_engine(self) -> None:
+        """``model.backend: auto`` builds the layers the FP8 plugin's engine converts (TE's, or the
+        PyTorch ones for torchao); with ``engine: auto`` the plugin measures first."""
+        plugin = fp8_plugin(self._trainer) if self._trainer is not None else None
+        if plugin is None or self.hparams.backend != "auto":
+            return
+        if plugin.auto:
+            datamodule = getattr(self._trainer, "datamodule", None)
+            backend = plugin.choose_engine(self.config, getattr(datamodule, "batch_size", 8),
+                                           getattr(datamodule, "seq_len", self.config.block_size),
+                                           self.attention)
+        else:
+            backend = plugin.engine.backend
+        if backend != self.backend_name and (backend == "torch" or te_status()[0]):
+            self.backend_name = backend
+            self.backend_reason = ("engine auto measured BF16 fastest" if plugin.auto_bf16 else
+                                   f"the layers FP8 engine {plugin.engine.name} converts")
+            if self.attention == "te" and backend == "torch":
+                rank_zero_warn("model.attention='te' needs the TE backend; SDPA with the "
+                               f"{plugin.engine.name} engine")
+                self.attention = "sdpa"
 
     def _compile(self) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

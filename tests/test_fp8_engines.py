@@ -97,3 +97,32 @@ def test_fp8_plugin_is_the_accessor_for_trainer_module_and_fabric():
 
     fabric_plugin = FabricFP8Precision()
     assert fp8_plugin(L.Fabric(accelerator="cpu", plugins=[fabric_plugin])) is fabric_plugin
+
+
+def test_auto_takes_the_fastest_candidate_fp8_or_bf16():
+    from fp8_lightning.fp8.auto import BF16, candidates, choose
+
+    assert candidates("te")[0] == "fp8-delayed-te-attn" and BF16 in candidates("sdpa")
+    recipe, figures = choose({"fp8-delayed": 30.0, "fp8-tensorwise": 28.5, "fp8-block": None,
+                              BF16: 31.0})
+    assert recipe == "tensorwise"
+    assert figures == ("fp8-tensorwise 28.50 ms, fp8-delayed 30.00 ms, torch-compile 31.00 ms "
+                       "(could not run: fp8-block)")
+    assert choose({"fp8-delayed-te-attn": 41.0, BF16: 39.9})[0] is None  # BF16 won
+    assert choose({"fp8-delayed": None})[0] is None
+
+
+def test_auto_measures_only_where_it_can_and_says_so():
+    with pytest.raises(ConfigError, match="recipe='delayed' with engine='auto'"):
+        FP8Precision(engine="auto", recipe="delayed")
+    plugin = FP8Precision(engine="auto")
+    assert plugin.auto
+    backend = plugin.choose_engine(CONFIG, 2, 32, "sdpa")  # no GPU here: nothing measured
+    assert not plugin.auto and plugin.auto_figures == "no GPU: nothing to measure"
+    assert backend == "te" and plugin.state_dict()["auto"] == plugin.auto_figures
+    plugin = FP8Precision(engine="auto")
+    plugin.auto_bf16 = "engine auto measured BF16 fastest (stub)"  # what a GPU probe can decide
+    plugin.auto = False
+    plugin.on_unavailable = "error"  # BF16 chosen by measurement is no failure
+    plugin.convert_module(GPT(CONFIG))
+    assert not plugin.fp8_active and "BF16 fastest" in plugin.reason

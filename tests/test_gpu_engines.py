@@ -58,3 +58,25 @@ def test_bench_runs_the_torchao_variants():
                          fp8_args=dict(recipe=name[4:], on_unavailable="error"))
         assert result["status"] == "ran" and result["backend"] == "torch", result
         assert result["precision"].startswith(f"FP8 {name[4:]} compiled")
+
+
+def test_auto_measures_chooses_and_the_run_trains_what_it_chose(tmp_path, tokens):
+    import lightning as L
+
+    from fp8_lightning.module import GPTLightningModule
+
+    plugin = FP8Precision(engine="auto")
+    module = GPTLightningModule(GPTConfig.from_name("gpt2", **GPU_SMALL), warmup_steps=2,
+                                lr_decay_steps=20)
+    trainer = L.Trainer(max_steps=5, plugins=[plugin], accelerator="gpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(tokens[: 5 * GPU_B], batch_size=GPU_B)
+    trainer.fit(module, loader)
+    assert not plugin.auto and " ms" in plugin.auto_figures
+    fastest = plugin.auto_figures.split(" ")[0]  # the figures list the fastest first
+    if fastest == "torch-compile":
+        assert not plugin.fp8_active and "BF16 fastest" in plugin.reason
+    else:
+        assert plugin.fp8_active and fastest.startswith(f"fp8-{plugin.recipe_config['recipe']}")
+        assert module.backend_name == plugin.engine.backend

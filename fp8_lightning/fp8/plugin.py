@@ -64,9 +64,12 @@ class FP8PrecisionBase(FabricPrecision):
             (per-block scales, more robust) or ``mxfp8`` (Blackwell); torchao (``engine:
             torchao``): ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``. Default: the
             engine's first (``delayed``, ``tensorwise``).
-        engine: ``te`` (TransformerEngine modules, ``model.backend: te``) or ``torchao``
-            (PyTorch-native float8 in the PyTorch layers, ``model.backend: torch``, compiled).
-            Default: the recipe's engine, else ``te``.
+        engine: ``te`` (TransformerEngine modules, ``model.backend: te``), ``torchao``
+            (PyTorch-native float8 in the PyTorch layers, ``model.backend: torch``, compiled) or
+            ``auto`` (a few timed steps of each engine's recipes and of BF16 on this model and GPU
+            pick the fastest, logged with the figures; needs ``GPTLightningModule`` and a GPU;
+            ``model.backend: auto`` then follows the choice). Default: the recipe's engine, else
+            ``te``.
         fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3``.
         margin: delayed/mxfp8: scale margin (powers of two).
         amax_history_len: delayed: amax history window.
@@ -84,7 +87,7 @@ class FP8PrecisionBase(FabricPrecision):
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
                                                 "rowwise", "rowwise_with_gw_hp"]] = None,
-                 engine: Optional[Literal["te", "torchao"]] = None,
+                 engine: Optional[Literal["te", "torchao", "auto"]] = None,
                  fp8_format: Optional[Literal["hybrid", "e4m3"]] = None,
                  margin: Optional[int] = None, amax_history_len: Optional[int] = None,
                  amax_compute_algo: Optional[Literal["max", "most_recent"]] = None,
@@ -102,15 +105,21 @@ class FP8PrecisionBase(FabricPrecision):
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
                 problems.append(f"{key}={value!r} must be an integer >= 0")
-        if engine is not None and engine not in ENGINES:
-            problems.append(f"engine={engine!r}; valid: {', '.join(ENGINES)}")
+        if engine is not None and engine not in (*ENGINES, "auto"):
+            problems.append(f"engine={engine!r}; valid: {', '.join(ENGINES)}, auto")
+        elif engine == "auto" and recipe is not None:
+            problems.append(f"recipe={recipe!r} with engine='auto', which chooses the recipe "
+                            "too; leave recipe unset, or name its engine")
         elif recipe in RECIPES and engine not in (None, RECIPES[recipe].engine):
             problems.append(f"recipe={recipe!r} runs on engine {RECIPES[recipe].engine!r}; valid "
                             f"recipes for engine={engine!r}: {', '.join(recipe_names(engine))}")
         if problems:
             raise ConfigError(problems, "FP8Precision")
+        self.auto = engine == "auto"  # until choose_engine() has measured
+        self.auto_figures: Optional[str] = None
+        self.auto_bf16: Optional[str] = None  # why BF16 won the measurement
         if recipe is None:
-            recipe = DEFAULT_RECIPE[engine or "te"]
+            recipe = DEFAULT_RECIPE["te" if engine in (None, "auto") else engine]
         self.engine: Engine = get_engine(RECIPES[recipe].engine if recipe in RECIPES else "te")
         self.recipe_config = build_recipe_config(
             recipe, fp8_format=fp8_format, margin=margin, amax_history_len=amax_history_len,
@@ -157,6 +166,28 @@ class FP8PrecisionBase(FabricPrecision):
         return self._model_ref() if self._model_ref is not None else None
 
     # ----------------------------------------------------------------------------- setup
+    def choose_engine(self, config: Any, batch_size: int, seq_len: int, attention: str) -> str:
+        """``engine: auto``: measure the candidates on this model and micro-batch, take the
+        fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs."""
+        from .auto import choose, probe
+
+        self.auto = False
+        if not torch.cuda.is_available():
+            self.auto_figures = "no GPU: nothing to measure"
+        else:
+            recipe, self.auto_figures = choose(probe(config, batch_size, seq_len, attention))
+            if recipe is None:
+                self.auto_bf16 = f"engine auto measured BF16 fastest ({self.auto_figures})"
+            else:
+                fields = {k: v for k, v in self.recipe_config.items()
+                          if k != "recipe" and k in RECIPES[recipe].defaults}
+                self.recipe_config = build_recipe_config(recipe, **fields)
+                self.engine = get_engine(RECIPES[recipe].engine)
+        rank_zero_only(log.info)("engine auto: %s (%s)", self.auto_bf16 and "BF16" or
+                                 f"{self.engine.name} {self.recipe_config['recipe']}",
+                                 self.auto_figures)
+        return "torch" if self.auto_bf16 else self.engine.backend
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         gpt = find_gpt(module)
@@ -172,7 +203,11 @@ class FP8PrecisionBase(FabricPrecision):
         # groups before it converts the module.
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._amax_group = _data_parallel_group()
+        if self.auto:  # not set up through GPTLightningModule: no probe, the recipe's engine
+            self.auto, self.auto_figures = False, "not measured (no GPTLightningModule set-up)"
         ok, reason = self.engine.available(self.recipe_config["recipe"])
+        if self.auto_bf16:
+            ok, reason = False, self.auto_bf16
         if ok and not self.engine.gemm_modules(gpt):
             backend = self.engine.backend
             ok, reason = False, (f"the model has no layers engine {self.engine.name!r} converts "
@@ -181,7 +216,7 @@ class FP8PrecisionBase(FabricPrecision):
                                  + " or auto" * (backend == "te"))
         self.fp8_available = ok
         if not ok:
-            if self.on_unavailable == "error":
+            if self.on_unavailable == "error" and not self.auto_bf16:
                 raise FP8UnavailableError(f"FP8 is not available: {reason}; "
                                           "on_unavailable=error, stopping.")
             # The fastest precision this hardware really has: BF16 emulated on a CPU without
@@ -272,7 +307,8 @@ class FP8PrecisionBase(FabricPrecision):
     # ----------------------------------------------------------------------------- state
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {"recipe": dict(self.recipe_config), "weights": self.weights,
+        state = {"recipe": dict(self.recipe_config), "engine": self.engine.name,
+                 "auto": self.auto_figures, "weights": self.weights,
                  "fp8_active": self.fp8_active, "effective_precision": self.effective_precision,
                  "reason": self.reason, "history": [dict(h) for h in self.history],
                  "bf16_modules": dict(self.bf16_modules)}
