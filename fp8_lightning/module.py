@@ -172,10 +172,14 @@ class GPTLightningModule(L.LightningModule):
         """``model.backend: auto`` builds the layers the FP8 plugin's engine converts (TE's, or the
         PyTorch ones for torchao); with ``engine: auto`` the plugin measures first."""
         plugin = fp8_plugin(self._trainer) if self._trainer is not None else None
-        if plugin is None or self.hparams.backend != "auto":
+        if plugin is None:
+            return
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if getattr(datamodule, "batch_size", None) and getattr(datamodule, "seq_len", None):
+            plugin.tokens_per_micro_batch = datamodule.batch_size * datamodule.seq_len
+        if self.hparams.backend != "auto":
             return
         if plugin.auto:
-            datamodule = getattr(self._trainer, "datamodule", None)
             backend = plugin.choose_engine(self.config, getattr(datamodule, "batch_size", 8),
                                            getattr(datamodule, "seq_len", self.config.block_size),
                                            self.attention)

@@ -126,3 +126,25 @@ def test_auto_measures_only_where_it_can_and_says_so():
     plugin.on_unavailable = "error"  # BF16 chosen by measurement is no failure
     plugin.convert_module(GPT(CONFIG))
     assert not plugin.fp8_active and "BF16 fastest" in plugin.reason
+
+
+def test_fp8_layers_auto_keeps_bf16_the_layers_slower_in_fp8():
+    """The policy's measured filter with stubbed timings (the real ones are te.Linear on a GPU):
+    a module whose GEMMs together are not faster in FP8 stays BF16, each shape timed once."""
+    from fp8_lightning.fp8.policy import slower_in_fp8
+
+    model = GPT(GPTConfig(name="tiny", n_layer=2, vocab_size=512, n_embd=64, n_head=4,
+                          ffn_hidden=256))
+    gemms = get_engine("torchao").gemm_modules(model)
+    calls = []
+
+    def time_shape(shape, fp8):  # FP8 pays only where a dim is 256: the MLP's fc1/fc2
+        calls.append((shape, fp8))
+        return (0.5 if 256 in shape else 1.2) if fp8 else 1.0
+
+    slower = slower_in_fp8(gemms, {"lm_head": "fp8_lm_head=false"}, time_shape)
+    assert sorted(slower) == [f"blocks.{i}.{m}" for i in range(2) for m in ("proj", "qkv")]
+    assert slower["blocks.0.proj"] == "fp8_layers=auto: FP8 1.200 ms >= BF16 1.000 ms (64->64)"
+    assert len(calls) == len(set(calls)) == 2 * 4  # qkv, proj, fc1, fc2 shapes: once each
+    with pytest.raises(ConfigError, match="fp8_layers='some'; valid: all, auto"):
+        FP8Precision(fp8_layers="some")

@@ -80,3 +80,20 @@ def test_auto_measures_chooses_and_the_run_trains_what_it_chose(tmp_path, tokens
     else:
         assert plugin.fp8_active and fastest.startswith(f"fp8-{plugin.recipe_config['recipe']}")
         assert module.backend_name == plugin.engine.backend
+
+
+def test_fp8_layers_auto_times_the_shapes_and_keeps_the_slow_ones_bf16(tokens, caplog):
+    import logging
+
+    from tests.test_gpu import make_model
+
+    model = make_model()  # TE backend
+    plugin = FP8Precision(fp8_layers="auto")
+    plugin.tokens_per_micro_batch = GPU_B * GPU_T
+    with caplog.at_level(logging.INFO):
+        plugin.convert_module(model)
+    assert plugin.fp8_active and "fp8_layers=auto at" in caplog.text
+    measured = {k: v for k, v in plugin.bf16_modules.items() if v.startswith("fp8_layers=auto")}
+    print(f"\n[fp8_layers=auto] kept BF16: {measured or 'none'}")
+    losses = train(model, plugin, tokens, 5)
+    assert all(torch.isfinite(torch.tensor(losses)))

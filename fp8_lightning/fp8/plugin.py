@@ -82,6 +82,10 @@ class FP8PrecisionBase(FabricPrecision):
         fp8_lm_head: run the LM head in FP8 (default BF16).
         bf16_first_layers: the first N transformer blocks stay BF16.
         bf16_last_layers: the last N transformer blocks stay BF16.
+        fp8_layers: ``all`` (every GEMM the policy allows) or ``auto``: each distinct GEMM shape
+            is timed in BF16 and in FP8 at the run's micro-batch on this GPU (TE engine; a few
+            seconds at start-up) and a layer whose GEMMs are not faster in FP8 stays BF16, logged
+            with the figures.
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
     """
 
@@ -94,11 +98,13 @@ class FP8PrecisionBase(FabricPrecision):
                  reduce_amax: Optional[bool] = None, fp8_dpa: Optional[bool] = None,
                  weights: Literal["bf16-mixed", "bf16-true"] = "bf16-mixed",
                  fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
-                 bf16_last_layers: int = 0,
+                 bf16_last_layers: int = 0, fp8_layers: Literal["all", "auto"] = "all",
                  on_unavailable: Literal["fallback", "error"] = "fallback") -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
+        if fp8_layers not in ("all", "auto"):
+            problems.append(f"fp8_layers={fp8_layers!r}; valid: all, auto")
         if on_unavailable not in ("fallback", "error"):
             problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
         for key, value in (("bf16_first_layers", bf16_first_layers),
@@ -128,6 +134,8 @@ class FP8PrecisionBase(FabricPrecision):
         self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
         self.on_unavailable = on_unavailable
+        self.fp8_layers = fp8_layers
+        self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
         self.fp8_available = False
         self.fp8_active = False
         self.reason = "not set up yet"
@@ -237,6 +245,8 @@ class FP8PrecisionBase(FabricPrecision):
                                               fp8_lm_head=self.fp8_lm_head,
                                               bf16_first_layers=self.bf16_first_layers,
                                               bf16_last_layers=self.bf16_last_layers)
+        if self.fp8_layers == "auto":
+            self.bf16_modules.update(self._measured_slower(gpt))
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self.fp8_active, self.reason = True, reason
@@ -246,6 +256,30 @@ class FP8PrecisionBase(FabricPrecision):
                  ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
         self._apply_loaded_state()
         return module
+
+    def _measured_slower(self, gpt: nn.Module) -> dict[str, str]:
+        """``fp8_layers: auto``: the layers whose GEMM shapes time slower in FP8 here."""
+        if self.engine.name != "te":
+            log.info("fp8_layers=auto times TE's GEMMs; engine %s: every layer the policy "
+                     "allows runs FP8", self.engine.name)
+            return {}
+        from ..doctor import Gemm, time_gemm
+        from .policy import slower_in_fp8
+        from .te_engine import make_te_recipe
+
+        tokens = self.tokens_per_micro_batch or 8 * 1024
+        recipe = make_te_recipe(self.recipe_config)
+
+        def time_shape(shape: tuple[int, int], fp8: bool) -> float:
+            gemm = Gemm(f"{shape[1]}->{shape[0]}", shape[1], shape[0], bias=False)
+            return time_gemm(gemm, tokens, recipe if fp8 else None)
+
+        slower = slower_in_fp8(self.engine.gemm_modules(gpt), self.bf16_modules, time_shape)
+        rank_zero_only(log.info)(
+            "fp8_layers=auto at %d tokens per micro-batch%s: %s", tokens,
+            "" if self.tokens_per_micro_batch else " (assumed: the micro-batch is unknown)",
+            "; ".join(f"{k}: {v}" for k, v in slower.items()) or "every layer is faster in FP8")
+        return slower
 
     # ----------------------------------------------------------------------------- contexts
     @contextmanager

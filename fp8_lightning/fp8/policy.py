@@ -4,6 +4,8 @@ with the GEMM modules they would convert."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from ..config import FP8_MULTIPLE
@@ -47,3 +49,34 @@ def bf16_module_names(model: nn.Module, gemm_modules: dict[str, nn.Module], *,
 def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
     """Is module ``name`` inside one the policy keeps BF16?"""
     return any(name == k or name.startswith(k + ".") for k in bf16_modules)
+
+
+def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
+    """The (out, in) weight shapes of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
+    return [tuple(p.shape) for p in module.parameters(recurse=False) if p.ndim == 2]
+
+
+def slower_in_fp8(gemm_modules: dict[str, nn.Module], keep: dict[str, str],
+                  time_shape: Callable[[tuple[int, int], bool], float]) -> dict[str, str]:
+    """``fp8_layers: auto``: ``{module name: why}`` for the modules not already kept BF16 whose
+    GEMMs, timed together, are not faster in FP8. ``time_shape((out, in), fp8)`` returns the
+    milliseconds of one forward + backward of that shape at the run's micro-batch (each distinct
+    shape is timed once)."""
+    times: dict[tuple[tuple[int, int], bool], float] = {}
+
+    def timed(shape: tuple[int, int], fp8: bool) -> float:
+        if (shape, fp8) not in times:
+            times[shape, fp8] = time_shape(shape, fp8)
+        return times[shape, fp8]
+
+    slower = {}
+    for name, module in gemm_modules.items():
+        if runs_bf16(name, keep):
+            continue
+        shapes = gemm_shapes(module)
+        bf16 = sum(timed(s, False) for s in shapes)
+        fp8 = sum(timed(s, True) for s in shapes)
+        if fp8 >= bf16:
+            dims = ", ".join(f"{i}->{o}" for o, i in shapes)
+            slower[name] = f"fp8_layers=auto: FP8 {fp8:.3f} ms >= BF16 {bf16:.3f} ms ({dims})"
+    return slower
