@@ -148,3 +148,18 @@ def test_fp8_layers_auto_keeps_bf16_the_layers_slower_in_fp8():
     assert len(calls) == len(set(calls)) == 2 * 4  # qkv, proj, fc1, fc2 shapes: once each
     with pytest.raises(ConfigError, match="fp8_layers='some'; valid: all, auto"):
         FP8Precision(fp8_layers="some")
+
+
+def test_auto_with_several_processes_takes_rank_zeros_choice():
+    """Rank zero measures; every rank builds what it chose (here a broadcast that hands over
+    rank zero's choice, as the strategy's does)."""
+    plugin = FP8Precision(engine="auto")
+    sent = []
+
+    def broadcast(obj):
+        sent.append(obj)
+        return ("rowwise", None, "fp8-rowwise 1.00 ms, torch-compile 2.00 ms")  # rank zero's
+
+    assert plugin.choose_engine(CONFIG, 2, 32, "sdpa", broadcast) == "torch"
+    assert sent == [("delayed", None, "no GPU: nothing to measure")]  # what this rank measured
+    assert plugin.engine.name == "torchao" and plugin.recipe_config == {"recipe": "rowwise"}

@@ -174,12 +174,25 @@ class FP8PrecisionBase(FabricPrecision):
         return self._model_ref() if self._model_ref is not None else None
 
     # ----------------------------------------------------------------------------- setup
-    def choose_engine(self, config: Any, batch_size: int, seq_len: int, attention: str) -> str:
+    def choose_engine(self, config: Any, batch_size: int, seq_len: int, attention: str,
+                      broadcast: Any = None) -> str:
         """``engine: auto``: measure the candidates on this model and micro-batch, take the
-        fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs."""
+        fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs.
+        With several processes rank zero measures and ``broadcast`` (the strategy's) gives every
+        rank its choice: one model on every rank."""
         from .auto import choose, probe
 
         self.auto = False
+        if broadcast is not None:
+            if rank_zero_only.rank == 0:
+                self.choose_engine(config, batch_size, seq_len, attention)
+            recipe, self.auto_bf16, self.auto_figures = broadcast(
+                (self.recipe_config["recipe"], self.auto_bf16, self.auto_figures))
+            self.recipe_config = build_recipe_config(recipe, **{
+                k: v for k, v in self.recipe_config.items()
+                if k != "recipe" and k in RECIPES[recipe].defaults})
+            self.engine = get_engine(RECIPES[recipe].engine)
+            return "torch" if self.auto_bf16 else self.engine.backend
         if not torch.cuda.is_available():
             self.auto_figures = "no GPU: nothing to measure"
         else:
