@@ -9,7 +9,7 @@ from .data import TokenShardDataModule, prepare  # noqa: E402
 from .distributed import FSDP2Strategy  # noqa: E402
 from .fabric import FabricFP8Precision, FabricNaNGuard  # noqa: E402
 from .fp8 import FP8Precision  # noqa: E402
-from .fp8_stats import FP8Stats  # noqa: E402
+from .fp8.stats import FP8Stats  # noqa: E402
 from .model import GPT  # noqa: E402
 from .module import GPTLightningModule  # noqa: E402
 from .monitor import TrainingMonitor  # noqa: E402

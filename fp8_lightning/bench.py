@@ -17,9 +17,11 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``te-bf16``: the TransformerEngine backend in BF16 autocast.
 * TE variants compile the regions between TE modules and replay each block as a CUDA graph, as
   ``fit`` does on one GPU; ``-eager`` turns compilation off, ``-nograph`` the graphs.
-* ``fp8-<recipe>`` (``delayed``, ``current``, ``block``, ``mxfp8``): the TE backend through
-  :class:`~fp8_lightning.fp8.FP8Precision` exactly as training runs it, with the config's layer
-  policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for the config's own recipe, its fields.
+* ``fp8-<recipe>``: TE recipes (``delayed``, ``current``, ``block``, ``mxfp8``) on the TE
+  backend, torchao recipes (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``) on the PyTorch
+  backend compiled whole, through :class:`~fp8_lightning.fp8.FP8Precision` exactly as training
+  runs it, with the config's layer policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for
+  the config's own recipe, its fields.
 * ``-bf16ends``: the layer policy keeps the first and last block BF16 (FP8 variants only).
 * ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
 * ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
@@ -51,20 +53,20 @@ import yaml
 
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
-from .fp8 import RECIPES, REMOVED_KEYS, FP8Precision, recipe_available
+from .fp8 import BACKEND, RECIPES, REMOVED_KEYS, FP8Precision, get_engine
 from .te_support import cpu_has_native_bf16, te_status, te_version
 
 log = logging.getLogger(__name__)
 
 DEFAULT_VARIANTS = ["torch-compile", "torch-eager", "te-bf16", "fp8-delayed", "fp8-current",
                     "fp8-block", "fp8-mxfp8", "te-bf16-te-attn", "fp8-delayed-te-attn",
-                    "fp8-delayed-bf16ends"]
+                    "fp8-delayed-bf16ends", "fp8-tensorwise", "fp8-rowwise"]
 # base name -> (backend, FP8 recipe or None, torch.compile)
 BASES: dict[str, tuple[str, Optional[str], bool]] = {
     "torch-eager": ("torch", None, False),
     "torch-compile": ("torch", None, True),
     "te-bf16": ("te", None, True),
-    **{f"fp8-{r}": ("te", r, True) for r in RECIPES},
+    **{f"fp8-{r}": (BACKEND[recipe.engine], r, True) for r, recipe in RECIPES.items()},
 }
 SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph")
 
@@ -240,7 +242,7 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
     args: dict[str, Any] = {k: cfg[k] for k in ("fp8_lm_head", "bf16_first_layers",
                                                 "bf16_last_layers") if k in cfg}
     if cfg.get("recipe", "delayed") == variant.recipe:
-        args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe][1]})
+        args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe].defaults})
     if variant.bf16_ends:
         args.update(bf16_first_layers=1, bf16_last_layers=1)
     if variant.fp8_attention:
@@ -257,7 +259,7 @@ def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str
         if not ok:
             return reason
     if variant.recipe is not None:
-        ok, reason = recipe_available(variant.recipe)
+        ok, reason = get_engine(RECIPES[variant.recipe].engine).available(variant.recipe)
         if not ok:
             return reason
         try:

@@ -43,6 +43,7 @@ from torch import nn
 from typing_extensions import override
 
 from .checkpoint import load_checkpoint_file, publish_directory, safe_lightning_dcp_loads
+from .fp8.plugin import fp8_plugin
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +141,14 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__} shards a GPTLightningModule's `model.blocks`; "
                             f"{type(module).__name__} has none")
         mp_policy = None
-        if self.param_dtype == "bfloat16" and getattr(trainer.precision_plugin, "weights",
-                                                      trainer.precision) in ("bf16-mixed",):
+        plugin = fp8_plugin(trainer)
+        weights = plugin.weights if plugin is not None else trainer.precision
+        if self.param_dtype == "bfloat16" and weights == "bf16-mixed":
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
                     reshard_after_forward=self.reshard_after_forward)
         super().setup(trainer)  # converts the module: the FP8 plugin knows now if FP8 runs
-        if mp_policy is None and getattr(trainer.precision_plugin, "fp8_available", False):
+        if mp_policy is None and plugin is not None and plugin.fp8_available:
             from .config import ConfigError
 
             raise ConfigError([f"FSDP2Strategy.param_dtype={self.param_dtype!r} with FP8 "

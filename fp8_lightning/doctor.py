@@ -31,8 +31,8 @@ from torch import nn
 from .bench import (RunConfig, check_fp8_plugin, environment, free_memory,
                     load_run_config, measure, parse_variant, positive_int_problems)
 from .config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
-from .fp8 import RECIPES, bf16_module_names, build_recipe_config, make_te_recipe, \
-    recipe_available
+from .fp8 import BACKEND, RECIPES, bf16_module_names, build_recipe_config, get_engine, \
+    make_te_recipe
 from .model import GPT
 from .te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
                          te_status)
@@ -167,12 +167,13 @@ def report_attention(config: GPTConfig, batch_size: int, seq_len: int) -> dict[s
 
 
 def report_recipes() -> dict[str, tuple[bool, str]]:
-    _heading("FP8 per recipe (TransformerEngine's answer)")
+    _heading("FP8 per recipe (each engine's own answer)")
     out = {}
-    for recipe in RECIPES:
-        ok, reason = recipe_available(recipe)
+    for recipe, entry in RECIPES.items():
+        ok, reason = get_engine(entry.engine).available(recipe)
         out[recipe] = (ok, reason)
-        _say(f"  {recipe:<8} {'available on ' + reason if ok else 'NOT available: ' + reason}")
+        _say(f"  {recipe:<18} {entry.engine:<8} "
+             f"{'available on ' + reason if ok else 'NOT available: ' + reason}")
     return out
 
 
@@ -265,7 +266,8 @@ def model_gemms(config: GPTConfig, fp8_lm_head: bool = False, bf16_first_layers:
     """The model's distinct GEMM shapes with counts (from a meta-device model: no memory)."""
     with torch.device("meta"):
         model = GPT(config, backend="torch")
-    keep = bf16_module_names(model, fp8_lm_head=fp8_lm_head, bf16_first_layers=bf16_first_layers,
+    keep = bf16_module_names(model, get_engine("torchao").gemm_modules(model),
+                             fp8_lm_head=fp8_lm_head, bf16_first_layers=bf16_first_layers,
                              bf16_last_layers=bf16_last_layers)
     gemms: dict[tuple, Gemm] = {}
     for name, module in model.named_modules():
@@ -378,7 +380,7 @@ def benefit_probe(run: RunConfig, result: Lint, recipes: list[str], *, reps: int
     for r in recipes:  # the config's own recipe fields for its recipe, defaults for the others
         same = fp8.get("recipe", "delayed") == r
         te_recipes[r] = make_te_recipe(build_recipe_config(
-            r, **{k: v for k, v in fp8.items() if same and k in RECIPES[r][1]}))
+            r, **{k: v for k, v in fp8.items() if same and k in RECIPES[r].defaults}))
     times: dict[str, list[Optional[float]]] = {name: [] for name in te_recipes}
     errors: dict[str, str] = {}
     for g in gemms:
@@ -510,7 +512,10 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
             code = EXIT_BAD_CONFIG
             verdict.append(f"the config has {len(result.problems)} error(s) (see the lint)")
     if run is not None and code == EXIT_OK:
-        requested = (run.fp8 or {}).get("recipe", "delayed") if run.fp8 is not None else None
+        requested = None
+        if run.fp8 is not None:  # FP8Precision's default recipe: its engine's first
+            requested = run.fp8.get("recipe") or (
+                "tensorwise" if run.fp8.get("engine") == "torchao" else "delayed")
         available = [r for r, (ok, _) in recipes.items() if ok]
         if requested is None:
             verdict.append("the config trains BF16 (no FP8Precision in trainer.plugins)")
@@ -521,8 +526,11 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
             ok, why = recipes[requested]
             if not ok:
                 why = f"{why}. {FP8_NEEDS}"
-            elif run.backend == "torch":
+            elif RECIPES[requested].engine == "te" and run.backend == "torch":
                 ok, why = False, "model.backend is torch (no TransformerEngine layers); use auto or te"
+            elif RECIPES[requested].engine == "torchao" and run.backend != BACKEND["torchao"]:
+                ok, why = False, (f"recipe {requested} runs on torchao, in the PyTorch layers; "
+                                  f"model.backend is {run.backend}: use torch")
             if ok:
                 verdict.append(f"FP8 {requested} is requested and can run here ({why})")
             else:
@@ -532,7 +540,8 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
                     else f"The run would fall back to {fallback_precision()[1]} "
                          "(on_unavailable=fallback)."))
         if probe and available:
-            report["probe"] = benefit_probe(run, result, available, reps=reps)
+            report["probe"] = benefit_probe(  # times te.Linear: TE's recipes only
+                run, result, [r for r in available if RECIPES[r].engine == "te"], reps=reps)
         elif probe:
             _heading("FP8 benefit probe")
             _say(f"  skipped: no FP8 recipe can run here ({FP8_NEEDS})")

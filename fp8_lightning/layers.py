@@ -46,6 +46,19 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], k
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+class _Gemms:
+    """The torch layers' matrix products: ``F.linear``, or the float8 GEMM that an FP8 engine
+    (:mod:`fp8_lightning.fp8.torchao_engine`) puts in ``float8`` for this module."""
+
+    float8: Optional[Callable[..., torch.Tensor]] = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.float8 is None:
+            return F.linear(x, weight, bias)
+        return self.float8(x, weight, bias)
+
+
 class TorchNorm(_NoExtraState, nn.Module):
     """``te.LayerNorm`` / ``te.RMSNorm``: parameters ``weight`` (and ``bias`` for LayerNorm)."""
 
@@ -59,7 +72,7 @@ class TorchNorm(_NoExtraState, nn.Module):
         return _norm(x, self.weight, self.bias, self.kind, self.eps)
 
 
-class TorchLinear(_NoExtraState, nn.Module):
+class TorchLinear(_NoExtraState, _Gemms, nn.Module):
     """``te.Linear``: parameters ``weight`` (out, in) and optional ``bias``."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool,
@@ -69,10 +82,10 @@ class TorchLinear(_NoExtraState, nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
-class TorchLayerNormLinear(_NoExtraState, nn.Module):
+class TorchLayerNormLinear(_NoExtraState, _Gemms, nn.Module):
     """``te.LayerNormLinear``: ``layer_norm_weight``/``layer_norm_bias`` then ``weight``/``bias``."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, norm: str, eps: float,
@@ -86,10 +99,10 @@ class TorchLayerNormLinear(_NoExtraState, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _norm(x, self.layer_norm_weight, self.layer_norm_bias, self.kind, self.eps)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
-class TorchLayerNormMLP(_NoExtraState, nn.Module):
+class TorchLayerNormMLP(_NoExtraState, _Gemms, nn.Module):
     """``te.LayerNormMLP``: norm, ``fc1``, activation, ``fc2``.
 
     GELU is the tanh approximation (TE's and GPT-2's). SwiGLU follows TE's convention: ``fc1``
@@ -110,13 +123,13 @@ class TorchLayerNormMLP(_NoExtraState, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _norm(x, self.layer_norm_weight, self.layer_norm_bias, self.kind, self.eps)
-        h = F.linear(x, self.fc1_weight, self.fc1_bias)
+        h = self.linear(x, self.fc1_weight, self.fc1_bias)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return F.linear(h, self.fc2_weight, self.fc2_bias)
+        return self.linear(h, self.fc2_weight, self.fc2_bias)
 
 
 class SDPAttention(_NoExtraState, nn.Module):

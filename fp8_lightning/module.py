@@ -15,6 +15,7 @@ from typing_extensions import override
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor
+from .fp8.plugin import fp8_plugin
 from .model import GPT, compile_model, uncompile_model
 from .te_support import te_status
 
@@ -156,6 +157,7 @@ class GPTLightningModule(L.LightningModule):
         # on CUDA; FSDP can build on the meta device).
         if self.model is not None:
             return
+        self._follow_fp8_engine()
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
@@ -165,6 +167,34 @@ class GPTLightningModule(L.LightningModule):
             init_weights(self.model, self.hparams.init_from)
             rank_zero_info(f"model: weights from {self.hparams.init_from}")
         self._compile()
+
+    def _follow_fp8_engine(self) -> None:
+        """``model.backend: auto`` builds the layers the FP8 plugin's engine converts (TE's, or the
+        PyTorch ones for torchao); with ``engine: auto`` the plugin measures first."""
+        plugin = fp8_plugin(self._trainer) if self._trainer is not None else None
+        if plugin is None:
+            return
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if getattr(datamodule, "batch_size", None) and getattr(datamodule, "seq_len", None):
+            plugin.tokens_per_micro_batch = datamodule.batch_size * datamodule.seq_len
+        if self.hparams.backend != "auto":
+            return
+        if plugin.auto:
+            several = self._trainer.world_size > 1
+            backend = plugin.choose_engine(self.config, getattr(datamodule, "batch_size", 8),
+                                           getattr(datamodule, "seq_len", self.config.block_size),
+                                           self.attention,
+                                           self._trainer.strategy.broadcast if several else None)
+        else:
+            backend = plugin.engine.backend
+        if backend != self.backend_name and (backend == "torch" or te_status()[0]):
+            self.backend_name = backend
+            self.backend_reason = ("engine auto measured BF16 fastest" if plugin.auto_bf16 else
+                                   f"the layers FP8 engine {plugin.engine.name} converts")
+            if self.attention == "te" and backend == "torch":
+                rank_zero_warn("model.attention='te' needs the TE backend; SDPA with the "
+                               f"{plugin.engine.name} engine")
+                self.attention = "sdpa"
 
     def _compile(self) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -364,17 +394,15 @@ class GPTLightningModule(L.LightningModule):
                                           decay_steps=decay_steps) / hp.learning_rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def _precision(self, attribute: str) -> str:
-        """An ``FP8Precision`` attribute (``tag``, ``effective_precision``), else the Trainer's."""
-        return getattr(self.trainer.precision_plugin, attribute, None) or str(self.trainer.precision)
-
     def precision_tag(self) -> str:
         """``FP8 delayed`` or ``BF16 (fallback: reason)`` under FP8Precision, else the Trainer's."""
-        return self._precision("tag")
+        plugin = fp8_plugin(self.trainer)
+        return plugin.tag if plugin is not None else str(self.trainer.precision)
 
     def effective_precision(self) -> str:
         """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""
-        return self._precision("effective_precision")
+        plugin = fp8_plugin(self.trainer)
+        return plugin.effective_precision if plugin is not None else str(self.trainer.precision)
 
     @override
     def on_train_start(self) -> None:

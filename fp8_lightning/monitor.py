@@ -45,6 +45,7 @@ from typing_extensions import override
 from .distributed import is_sharded
 from .flops import Peak, flops_per_token, peak_for
 from .flops import mfu as mfu_of
+from .fp8.plugin import fp8_plugin
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,10 @@ def config_table(trainer: "L.Trainer", pl_module: "L.LightningModule") -> str:
     config = getattr(pl_module, "config", None)
     if hasattr(config, "to_dict"):
         rows.update({f"model.config.{k}": v for k, v in config.to_dict().items()})
-    recipe = getattr(trainer.precision_plugin, "recipe_config", None)
-    if recipe:
-        rows.update({f"fp8.{k}": v for k, v in recipe.items()})
+    plugin = fp8_plugin(trainer)
+    if plugin is not None:
+        rows["fp8.engine"] = plugin.engine.name
+        rows.update({f"fp8.{k}": v for k, v in plugin.recipe_config.items()})
     rows.update({f"model.{k}": v for k, v in dict(pl_module.hparams).items()
                  if k != "config" and not k.startswith("_")})
     rows["trainer.precision"] = precision_tag(trainer, pl_module)
@@ -122,7 +124,14 @@ def config_table(trainer: "L.Trainer", pl_module: "L.LightningModule") -> str:
 
 
 def fp8_active(trainer: "L.Trainer") -> bool:
-    return bool(getattr(trainer.precision_plugin, "fp8_active", False))
+    plugin = fp8_plugin(trainer)
+    return plugin is not None and plugin.fp8_active
+
+
+def fp8_history(trainer: "L.Trainer") -> list[dict[str, Any]]:
+    """The FP8 plugin's switch events (none without the plugin)."""
+    plugin = fp8_plugin(trainer)
+    return plugin.history if plugin is not None else []
 
 
 def logger_step(trainer: "L.Trainer") -> int:
@@ -331,7 +340,7 @@ class TrainingMonitor(Callback):
         self._open_window(trainer, pl_module)
 
     def _log_events(self, trainer: "L.Trainer") -> None:
-        history = getattr(trainer.precision_plugin, "history", None) or []
+        history = fp8_history(trainer)
         new = history[self._events_seen:]
         self._events_seen = len(history)
         for event in new:
@@ -341,7 +350,7 @@ class TrainingMonitor(Callback):
                      f"{event.get('reason')} (now {event.get('precision')})")
 
     def fallback_count(self, trainer: "L.Trainer") -> int:
-        history = getattr(trainer.precision_plugin, "history", None) or []
+        history = fp8_history(trainer)
         return sum(1 for e in history if e.get("event") in FALLBACK_KINDS)
 
     # ------------------------------------------------------------------------- training

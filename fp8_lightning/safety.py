@@ -40,6 +40,7 @@ from typing_extensions import override
 from .checkpoint import load_checkpoint_file
 from .config import ConfigError
 from .distributed import local_tensor
+from .fp8.plugin import fp8_plugin
 from .monitor import log_metrics, log_text
 
 log = logging.getLogger(__name__)
@@ -296,8 +297,7 @@ class NaNGuard(Callback):
     # ------------------------------------------------------------------ events and state
     @staticmethod
     def _fp8_plugin(trainer: L.Trainer) -> Any:
-        plugin = trainer.precision_plugin
-        return plugin if hasattr(plugin, "disable_fp8") else None
+        return fp8_plugin(trainer)
 
     def _event(self, trainer: L.Trainer, kind: str, step: int, detail: str) -> None:
         event = {"event": kind, "step": int(step), "detail": detail}

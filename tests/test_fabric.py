@@ -108,9 +108,9 @@ def test_fabric_loop_falls_back_with_the_reason_and_resumes_exactly(tmp_path, ca
 
 
 def test_outputs_come_back_fp32_from_a_bf16_forward(monkeypatch):
-    import fp8_lightning.fp8 as fp8
+    import fp8_lightning.fp8.plugin as plugin
 
-    monkeypatch.setattr(fp8, "fallback_precision", lambda: ("bf16-mixed", "BF16 (test)"))
+    monkeypatch.setattr(plugin, "fallback_precision", lambda: ("bf16-mixed", "BF16 (test)"))
     fabric, plugin, model, _, _ = set_up()
     inside = []
     model.module.lm_head.register_forward_hook(lambda m, a, out: inside.append(out.dtype))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning.config import ConfigError, GPTConfig
-from fp8_lightning.fp8 import FP8Precision, bf16_module_names, build_recipe_config
+from fp8_lightning.fp8 import FP8Precision, bf16_module_names, build_recipe_config, get_engine
 from fp8_lightning.model import GPT
 
 
@@ -46,10 +46,13 @@ def test_plugin_argument_errors():
 
 def test_layer_policy_keeps_lm_head_and_edge_blocks_bf16():
     model = GPT(GPTConfig.from_name("tiny", n_layer=4))
-    keep = bf16_module_names(model, fp8_lm_head=False, bf16_first_layers=1, bf16_last_layers=1)
+    gemms = get_engine("torchao").gemm_modules(model)  # the PyTorch layers' GEMM modules
+    keep = bf16_module_names(model, gemms, fp8_lm_head=False, bf16_first_layers=1,
+                             bf16_last_layers=1)
     assert keep == {"blocks.0": "bf16_first_layers=1", "blocks.3": "bf16_last_layers=1",
                     "lm_head": "fp8_lm_head=false"}
-    assert bf16_module_names(model, fp8_lm_head=True, bf16_first_layers=0, bf16_last_layers=0) == {}
+    assert bf16_module_names(model, gemms, fp8_lm_head=True, bf16_first_layers=0,
+                             bf16_last_layers=0) == {}
 
 
 FALLBACKS = {"bf16": ("bf16-mixed", "BF16 on the CPU (it has BF16 instructions)"),
@@ -60,9 +63,9 @@ FALLBACKS = {"bf16": ("bf16-mixed", "BF16 on the CPU (it has BF16 instructions)"
 def fallback(request, monkeypatch):
     """Each fallback this hardware check can choose (BF16 where the CPU or GPU has it, FP32 on a
     CPU without BF16 instructions), whichever machine runs the test."""
-    import fp8_lightning.fp8 as fp8
+    import fp8_lightning.fp8.plugin as plugin
 
-    monkeypatch.setattr(fp8, "fallback_precision", lambda: FALLBACKS[request.param])
+    monkeypatch.setattr(plugin, "fallback_precision", lambda: FALLBACKS[request.param])
     return request.param
 
 

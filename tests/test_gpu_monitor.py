@@ -15,7 +15,7 @@ from fp8_lightning import monitor as M
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data import EMBEDDED_CORPUS
 from fp8_lightning.fp8 import FP8Precision
-from fp8_lightning.fp8_stats import AMAX, SCALE, FP8Stats
+from fp8_lightning.fp8.stats import AMAX, SCALE, FP8Stats
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 

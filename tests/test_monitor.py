@@ -13,7 +13,7 @@ from fp8_lightning import flops
 from fp8_lightning import monitor as M
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fp8 import FP8Precision
-from fp8_lightning.fp8_stats import (BF16_SUFFIX, FP8Stats, debug_config, default_stats,
+from fp8_lightning.fp8.stats import (BF16_SUFFIX, FP8Stats, debug_config, default_stats,
                                      scaling_stats, tensor_stat_metrics)
 from fp8_lightning.module import GPTLightningModule
 

@@ -24,8 +24,16 @@ def test_imported_third_party_packages_are_declared():
     assert "matplotlib" not in CORE  # only compare and bench draw: the [plots] extra
     assert [r.name for r in EXTRAS["plots"]] == ["matplotlib"]
     assert [r.name for r in EXTRAS["stats"]] == ["nvdlfw-inspect"]  # FP8Stats' tensor statistics
-    # the tests draw: [dev] brings the plots extra
-    assert any(r.name == "fp8-lightning" and r.extras == {"plots"} for r in EXTRAS["dev"])
+    # the tests draw and run the torchao engine: [dev] brings those extras
+    assert any(r.name == "fp8-lightning" and r.extras == {"plots", "torchao"} for r in EXTRAS["dev"])
+
+
+def test_torchao_floor_is_the_one_checked():
+    from fp8_lightning.fp8.torchao_engine import TORCHAO_MIN_VERSION, TORCHAO_REQUIREMENT
+
+    (torchao,) = EXTRAS["torchao"]
+    assert str(torchao.specifier) == f">={TORCHAO_MIN_VERSION}"
+    assert TORCHAO_REQUIREMENT.requirement == f"torchao>={TORCHAO_MIN_VERSION}"
 
 
 def test_private_apis_are_capped_and_te_floor_is_the_one_checked():

@@ -53,6 +53,13 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_notebook.py::test_training_states_what_ran_and_the_loss_is_finite",
         "tests/test_notebook.py::test_doctor_explains_fp8_needs_a_gpu",
         "tests/test_notebook.py::test_notebook_on_an_fp8_gpu_trains_fp8_and_shows_scaling"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --trainer.plugins.init_args.recipe "
+    "tensorwise --model.attention sdpa": (GPU, "tests/test_readme.py::test_fit_commands_run_a_step",
+                                          "tests/test_gpu_engines.py::test_torchao_recipe_trains_100_steps_close_to_bf16_compiled"),
+    "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --trainer.plugins.init_args.engine "
+    "auto --trainer.plugins.init_args.recipe null": (
+        GPU, "tests/test_readme.py::test_fit_commands_run_a_step",
+        "tests/test_gpu_engines.py::test_auto_measures_chooses_and_the_run_trains_what_it_chose"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --print_config": (
         "tests/test_readme.py::test_fit_commands_run_a_step", "tests/test_cli.py::test_print_config_and_dotted_overrides"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --model.config.name gpt2-medium "

@@ -43,8 +43,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from typing_extensions import override
 
-from .config import ConfigError
-from .monitor import log_metrics
+from ..config import ConfigError
+from ..monitor import log_metrics
+from .plugin import fp8_plugin
+from .policy import find_gpt, runs_bf16
+from .te_engine import recipe_available, te_gemm_modules
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,11 @@ def _info(message: str) -> None:
 def _warn(message: str) -> None:
     if rank_zero_only.rank == 0:
         log.warning(message)
+
+
+def _fp8_active(trainer: "L.Trainer") -> bool:
+    plugin = fp8_plugin(trainer)
+    return plugin is not None and plugin.fp8_active
 
 
 def default_stats(recipe: str) -> list[str]:
@@ -227,11 +235,14 @@ class FP8Stats(Callback):
         if stage != "fit":
             return
         self.enabled = False
-        from .fp8 import recipe_available
-
-        recipe = (getattr(trainer.precision_plugin, "recipe_config", None) or {}).get("recipe")
-        if recipe is None:
+        plugin = fp8_plugin(trainer)
+        if plugin is None:
             _warn("FP8 stats off: the Trainer's precision plugin is not fp8_lightning.FP8Precision")
+            return
+        recipe = plugin.recipe_config["recipe"]
+        if plugin.engine.name != "te":
+            _warn(f"FP8 stats off: they read TransformerEngine's FP8 state; engine "
+                  f"{plugin.engine.name!r} (recipe {recipe!r}) has none")
             return
         ok, reason = recipe_available(recipe)
         if not ok:
@@ -289,12 +300,10 @@ class FP8Stats(Callback):
     def on_fit_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         if not self.enabled:
             return
-        from .fp8 import _find_gpt, te_gemm_modules
-
-        bf16 = getattr(trainer.precision_plugin, "bf16_modules", {}) or {}
+        bf16 = fp8_plugin(trainer).bf16_modules
         self._modules = {}
-        for name, module in te_gemm_modules(_find_gpt(pl_module)).items():
-            keep_bf16 = any(name == k or name.startswith(k + ".") for k in bf16)
+        for name, module in te_gemm_modules(find_gpt(pl_module)).items():
+            keep_bf16 = runs_bf16(name, bf16)
             module.name = name + BF16_SUFFIX if keep_bf16 else name  # TE's debug layer name
             if not keep_bf16:
                 self._modules[name] = module
@@ -318,7 +327,7 @@ class FP8Stats(Callback):
     def _stats_step(self, trainer: "L.Trainer") -> bool:
         """Does the optimizer step now running complete a multiple of K (with FP8 on)?"""
         return ((trainer.global_step + 1) % self.every_n_steps == 0
-                and bool(getattr(trainer.precision_plugin, "fp8_active", False)))
+                and _fp8_active(trainer))
 
     @override
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
@@ -357,7 +366,7 @@ class FP8Stats(Callback):
                 metrics.update(tensor_stat_metrics(self._collector.values))
                 self._collector.values.clear()
         if (self.scaling and self.recipe == "delayed" and step % self.every_n_steps == 0
-                and getattr(trainer.precision_plugin, "fp8_active", False)):
+                and _fp8_active(trainer)):
             metrics.update(scaling_stats(self._modules))
         if metrics:
             self.logged_steps.append(step)

@@ -1,0 +1,61 @@
+"""``engine: auto``: the FP8 engine and recipe, or BF16, chosen by measuring this model on this GPU.
+
+Each candidate (the TE recipes, the torchao recipes, BF16 compiled) runs a few training steps of
+the run's own model and micro-batch through ``bench``'s step (which is ``fit``'s step); the fastest
+wins. FP8 may lose (small models): then the run trains BF16 and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BF16 = "torch-compile"  # the BF16 candidate: the PyTorch backend compiled whole
+
+
+def candidates(attention: str) -> list[str]:
+    """Bench variant names to probe: TE recipes (with the model's attention), torchao, BF16."""
+    te_attn = "-te-attn" if attention == "te" else ""
+    return ([f"fp8-{r}{te_attn}" for r in ("delayed", "current", "block")]
+            + ["fp8-tensorwise", "fp8-rowwise", BF16])
+
+
+def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
+    """The fastest candidate's recipe (``None``: BF16, or nothing ran) and the figures, fastest
+    first (``ms per step``; candidates that could not run are listed as such)."""
+    from ..bench import parse_variant
+
+    ran = sorted(((ms, name) for name, ms in timings.items() if ms is not None))
+    figures = ", ".join(f"{name} {ms:.2f} ms" for ms, name in ran)
+    skipped = [name for name, ms in timings.items() if ms is None]
+    if skipped:
+        figures += f" (could not run: {', '.join(skipped)})"
+    if not ran:
+        return None, f"no candidate ran{figures}"
+    return parse_variant(ran[0][1]).recipe, figures
+
+
+def probe(config: Any, batch_size: int, seq_len: int, attention: str, *, steps: int = 5,
+          warmup: int = 3) -> dict[str, Optional[float]]:
+    """ms per training step of each candidate on this GPU (``None``: it could not run here)."""
+    from ..bench import measure, parse_variant, skip_reason
+
+    device = torch.device("cuda")
+    timings: dict[str, Optional[float]] = {}
+    for name in candidates(attention):
+        variant = parse_variant(name)
+        if skip_reason(variant, batch_size, seq_len) is not None:
+            timings[name] = None
+            continue
+        fp8_args = (None if variant.recipe is None else
+                    dict(recipe=variant.recipe, on_unavailable="error"))
+        result = measure(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
+                         device=device, fp8_args=fp8_args)
+        timings[name] = result["ms_per_step"] if result["status"] == "ran" else None
+        log.info("engine auto: %s %s", name, f"{timings[name]:.2f} ms/step"
+                 if timings[name] is not None else result.get("reason"))
+    return timings

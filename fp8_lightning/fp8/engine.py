@@ -1,0 +1,71 @@
+"""What an FP8 engine does for the precision plugin, and how the plugin finds one.
+
+The plugin (:mod:`.plugin`) owns what is the same for every engine: the recipe's validation, the
+layer policy, the FP8-active switch and its history, the fallback to BF16 with a reason, the
+checkpoint state. An engine owns what differs: whether it can run here, which modules are its
+GEMMs, how they are made FP8 and switched, the forward context, and scaling state as plain
+tensors.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Optional
+
+from torch import nn
+
+
+class Engine:
+    """The interface; :class:`~.te_engine.TEEngine` and :class:`~.torchao_engine.TorchaoEngine`
+    implement it."""
+
+    name = ""
+    backend = ""  # the model backend whose layers this engine converts
+
+    def available(self, recipe: str) -> tuple[bool, str]:
+        """Can ``recipe`` run here: (yes/no, the device, or why not)."""
+        raise NotImplementedError
+
+    def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The named modules that run GEMMs this engine can run in FP8."""
+        raise NotImplementedError
+
+    def convert(self, model: nn.Module, config: dict[str, Any],
+                bf16_modules: dict[str, str]) -> list[Any]:
+        """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove."""
+        raise NotImplementedError
+
+    def context(self, fp8: bool, amax_group: Any = None) -> Any:
+        """The forward context of a step (FP8 on or off)."""
+        return nullcontext()
+
+    def set_enabled(self, model: nn.Module, on: bool) -> None:
+        """Switch the converted GEMMs between FP8 and BF16 (engines without a context switch)."""
+
+    def modules_ran(self, model: Optional[nn.Module]) -> list[str]:
+        """The GEMM modules whose last forward ran FP8."""
+        raise NotImplementedError
+
+    def reset_scaling(self, model: nn.Module) -> None:
+        """Forget the scaling state (before re-enabling FP8 after a fallback)."""
+
+    def export_scaling(self, model: nn.Module) -> dict[str, dict[str, Any]]:
+        """Scaling state as plain tensors, for checkpoints (stateless recipes: empty)."""
+        return {}
+
+    def import_scaling(self, model: nn.Module, scaling: dict[str, dict[str, Any]]) -> int:
+        """Put exported scaling state back; returns the modules restored."""
+        return 0
+
+
+def get_engine(name: str) -> Engine:
+    """The engine called ``name`` (``te`` or ``torchao``)."""
+    if name == "te":
+        from .te_engine import TEEngine
+
+        return TEEngine()
+    if name == "torchao":
+        from .torchao_engine import TorchaoEngine
+
+        return TorchaoEngine()
+    raise ValueError(f"engine={name!r}; valid: te, torchao")

@@ -1,0 +1,452 @@
+"""The precision plugin: FP8 training through an engine, falling back to BF16 with a reason.
+
+:class:`FP8PrecisionBase` owns the recipe, the layer policy, the FP8-active switch and its history,
+the checkpoint state and the fallback; the engine (:mod:`.te_engine`, :mod:`.torchao_engine`)
+owns the FP8 GEMMs. Two thin forms drive it: :class:`FP8Precision` for the Lightning Trainer and
+:class:`~fp8_lightning.fabric.FabricFP8Precision` for ``lightning.Fabric``. Other modules reach
+the plugin through :func:`fp8_plugin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import ExitStack, contextmanager
+from typing import Any, Generator, Literal, Optional
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from typing_extensions import override
+
+from ..config import ConfigError
+from ..te_support import fallback_precision
+from .engine import Engine, get_engine
+from .policy import bf16_module_names, find_gpt
+from .recipes import ENGINES, RECIPES, build_recipe_config, recipe_names
+
+log = logging.getLogger(__name__)
+_warn = rank_zero_only(log.warning)  # one WARNING line, on rank zero only
+DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise"}
+
+
+def fp8_plugin(owner: Any) -> Optional["FP8PrecisionBase"]:
+    """The FP8 precision plugin of a Trainer, a Fabric, or a LightningModule attached to a
+    Trainer; ``None`` when it runs without one. The one way other modules reach the plugin."""
+    holder = getattr(owner, "_trainer", None) or owner  # a LightningModule -> its Trainer
+    for name in ("precision_plugin", "_precision"):  # Trainer, Fabric
+        plugin = getattr(holder, name, None)
+        if isinstance(plugin, FP8PrecisionBase):
+            return plugin
+    return None
+
+
+class FP8UnavailableError(RuntimeError):
+    """FP8 was required (``on_unavailable: error``) but cannot run here; the message says why."""
+
+
+class FP8PrecisionBase(FabricPrecision):
+    """FP8 training with TransformerEngine, falling back to BF16 with a reason: the logic that
+    :class:`FP8Precision` (Trainer) and ``FabricFP8Precision`` (Fabric) share. Use one of those.
+
+    Why two classes and not one: Lightning's two ``Precision`` bases give the same hook names
+    different signatures (the Trainer's ``pre_backward``/``backward``/``post_backward``/
+    ``optimizer_step`` take the LightningModule and a closure and call the Trainer's hooks;
+    Fabric's take a plain module or ``None``). Fabric's connector accepts any Fabric ``Precision``,
+    and the Trainer's is one, so a Trainer plugin is accepted by ``Fabric`` and then fails at the
+    first ``fabric.backward``. Everything FP8 lives here, on Fabric's base; each form only adds the
+    hooks of its loop.
+
+    Args:
+        recipe: TE (``engine: te``): ``delayed`` (fastest on Hopper), ``current``, ``block``
+            (per-block scales, more robust) or ``mxfp8`` (Blackwell); torchao (``engine:
+            torchao``): ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``. Default: the
+            engine's first (``delayed``, ``tensorwise``).
+        engine: ``te`` (TransformerEngine modules, ``model.backend: te``), ``torchao``
+            (PyTorch-native float8 in the PyTorch layers, ``model.backend: torch``, compiled) or
+            ``auto`` (a few timed steps of each engine's recipes and of BF16 on this model and GPU
+            pick the fastest, logged with the figures; needs ``GPTLightningModule`` and a GPU;
+            ``model.backend: auto`` then follows the choice). Default: the recipe's engine, else
+            ``te``.
+        fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3``.
+        margin: delayed/mxfp8: scale margin (powers of two).
+        amax_history_len: delayed: amax history window.
+        amax_compute_algo: delayed: ``max`` or ``most_recent``.
+        reduce_amax: delayed: reduce amax across the data-parallel group.
+        weights: ``bf16-mixed`` (fp32 master weights, BF16 autocast) or ``bf16-true``.
+        fp8_dpa: attention in FP8 too (delayed, current; needs ``model.attention: te``; a beta
+            feature of TransformerEngine; default off).
+        fp8_eval: run validation/test/predict in FP8 too (default BF16).
+        fp8_lm_head: run the LM head in FP8 (default BF16).
+        bf16_first_layers: the first N transformer blocks stay BF16.
+        bf16_last_layers: the last N transformer blocks stay BF16.
+        fp8_layers: ``all`` (every GEMM the policy allows) or ``auto``: each distinct GEMM shape
+            is timed in BF16 and in FP8 at the run's micro-batch on this GPU (TE engine; a few
+            seconds at start-up) and a layer whose GEMMs are not faster in FP8 stays BF16, logged
+            with the figures.
+        on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
+    """
+
+    def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
+                                                "rowwise", "rowwise_with_gw_hp"]] = None,
+                 engine: Optional[Literal["te", "torchao", "auto"]] = None,
+                 fp8_format: Optional[Literal["hybrid", "e4m3"]] = None,
+                 margin: Optional[int] = None, amax_history_len: Optional[int] = None,
+                 amax_compute_algo: Optional[Literal["max", "most_recent"]] = None,
+                 reduce_amax: Optional[bool] = None, fp8_dpa: Optional[bool] = None,
+                 weights: Literal["bf16-mixed", "bf16-true"] = "bf16-mixed",
+                 fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
+                 bf16_last_layers: int = 0, fp8_layers: Literal["all", "auto"] = "all",
+                 on_unavailable: Literal["fallback", "error"] = "fallback") -> None:
+        problems = []
+        if weights not in ("bf16-mixed", "bf16-true"):
+            problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
+        if fp8_layers not in ("all", "auto"):
+            problems.append(f"fp8_layers={fp8_layers!r}; valid: all, auto")
+        if on_unavailable not in ("fallback", "error"):
+            problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
+        for key, value in (("bf16_first_layers", bf16_first_layers),
+                           ("bf16_last_layers", bf16_last_layers)):
+            if not isinstance(value, int) or value < 0:
+                problems.append(f"{key}={value!r} must be an integer >= 0")
+        if engine is not None and engine not in (*ENGINES, "auto"):
+            problems.append(f"engine={engine!r}; valid: {', '.join(ENGINES)}, auto")
+        elif engine == "auto" and recipe is not None:
+            problems.append(f"recipe={recipe!r} with engine='auto', which chooses the recipe "
+                            "too; leave recipe unset, or name its engine")
+        elif recipe in RECIPES and engine not in (None, RECIPES[recipe].engine):
+            problems.append(f"recipe={recipe!r} runs on engine {RECIPES[recipe].engine!r}; valid "
+                            f"recipes for engine={engine!r}: {', '.join(recipe_names(engine))}")
+        if problems:
+            raise ConfigError(problems, "FP8Precision")
+        self.auto = engine == "auto"  # until choose_engine() has measured
+        self.auto_figures: Optional[str] = None
+        self.auto_bf16: Optional[str] = None  # why BF16 won the measurement
+        if recipe is None:
+            recipe = DEFAULT_RECIPE["te" if engine in (None, "auto") else engine]
+        self.engine: Engine = get_engine(RECIPES[recipe].engine if recipe in RECIPES else "te")
+        self.recipe_config = build_recipe_config(
+            recipe, fp8_format=fp8_format, margin=margin, amax_history_len=amax_history_len,
+            amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax, fp8_dpa=fp8_dpa)
+        self.weights, self.precision = weights, weights
+        self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
+        self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
+        self.on_unavailable = on_unavailable
+        self.fp8_layers = fp8_layers
+        self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
+        self.fp8_available = False
+        self.fp8_active = False
+        self.reason = "not set up yet"
+        self.history: list[dict[str, Any]] = []
+        self.bf16_modules: dict[str, str] = {}
+        self._device_type = "cpu"
+        self._amax_group: Any = None
+        self._model_ref: Optional[weakref.ref] = None
+        self._hooks: list[Any] = []
+        self._converted = False  # the engine has converted the model (FP8 can be switched on)
+        self._verify_pending = False
+        self._loaded_state: Optional[dict[str, Any]] = None  # loaded before set-up: applied there
+        self.scaling_restored = 0  # TE modules whose delayed-scaling state came from a checkpoint
+
+    # ----------------------------------------------------------------------------- status
+    @property
+    def effective_precision(self) -> str:
+        """What really runs: ``fp8-<recipe>``, ``bf16`` or (a CPU without BF16) ``fp32``."""
+        if self.fp8_active:
+            return f"fp8-{self.recipe_config['recipe']}"
+        return "fp32" if self.precision == "32-true" else "bf16"
+
+    @property
+    def tag(self) -> str:
+        """Short tag for log lines: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``."""
+        if self.fp8_active:
+            return f"FP8 {self.recipe_config['recipe']}"
+        return f"{self.effective_precision.upper()} (fallback: {self.reason})"
+
+    def _record(self, event: str, reason: str, step: Optional[int] = None) -> None:
+        self.history.append({"event": event, "reason": reason, "step": step,
+                             "precision": self.effective_precision})
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self._model_ref() if self._model_ref is not None else None
+
+    # ----------------------------------------------------------------------------- setup
+    def choose_engine(self, config: Any, batch_size: int, seq_len: int, attention: str,
+                      broadcast: Any = None) -> str:
+        """``engine: auto``: measure the candidates on this model and micro-batch, take the
+        fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs.
+        With several processes rank zero measures and ``broadcast`` (the strategy's) gives every
+        rank its choice: one model on every rank."""
+        from .auto import choose, probe
+
+        self.auto = False
+        if broadcast is not None:
+            if rank_zero_only.rank == 0:
+                self.choose_engine(config, batch_size, seq_len, attention)
+            recipe, self.auto_bf16, self.auto_figures = broadcast(
+                (self.recipe_config["recipe"], self.auto_bf16, self.auto_figures))
+            self.recipe_config = build_recipe_config(recipe, **{
+                k: v for k, v in self.recipe_config.items()
+                if k != "recipe" and k in RECIPES[recipe].defaults})
+            self.engine = get_engine(RECIPES[recipe].engine)
+            return "torch" if self.auto_bf16 else self.engine.backend
+        if not torch.cuda.is_available():
+            self.auto_figures = "no GPU: nothing to measure"
+        else:
+            recipe, self.auto_figures = choose(probe(config, batch_size, seq_len, attention))
+            if recipe is None:
+                self.auto_bf16 = f"engine auto measured BF16 fastest ({self.auto_figures})"
+            else:
+                fields = {k: v for k, v in self.recipe_config.items()
+                          if k != "recipe" and k in RECIPES[recipe].defaults}
+                self.recipe_config = build_recipe_config(recipe, **fields)
+                self.engine = get_engine(RECIPES[recipe].engine)
+        rank_zero_only(log.info)("engine auto: %s (%s)", self.auto_bf16 and "BF16" or
+                                 f"{self.engine.name} {self.recipe_config['recipe']}",
+                                 self.auto_figures)
+        return "torch" if self.auto_bf16 else self.engine.backend
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        gpt = find_gpt(module)
+        n_layer = len(getattr(gpt, "blocks", []))
+        too_many = [f"{key}={value} is more than the model's {n_layer} blocks"
+                    for key, value in (("bf16_first_layers", self.bf16_first_layers),
+                                       ("bf16_last_layers", self.bf16_last_layers))
+                    if value > n_layer]
+        if too_many:
+            raise ConfigError(too_many + [f"valid: 0 to {n_layer}"], "FP8Precision")
+        self._model_ref = weakref.ref(gpt)
+        # Decided once here, not on every step: the strategy has set up devices and process
+        # groups before it converts the module.
+        self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._amax_group = _data_parallel_group()
+        if self.auto:  # not set up through GPTLightningModule: no probe, the recipe's engine
+            self.auto, self.auto_figures = False, "not measured (no GPTLightningModule set-up)"
+        ok, reason = self.engine.available(self.recipe_config["recipe"])
+        if self.auto_bf16:
+            ok, reason = False, self.auto_bf16
+        if ok and not self.engine.gemm_modules(gpt):
+            backend = self.engine.backend
+            ok, reason = False, (f"the model has no layers engine {self.engine.name!r} converts "
+                                 f"(they are those of model.backend: {backend}); use "
+                                 f"model.backend: {backend}"
+                                 + " or auto" * (backend == "te"))
+        self.fp8_available = ok
+        if not ok:
+            if self.on_unavailable == "error" and not self.auto_bf16:
+                raise FP8UnavailableError(f"FP8 is not available: {reason}; "
+                                          "on_unavailable=error, stopping.")
+            # The fastest precision this hardware really has: BF16 emulated on a CPU without
+            # BF16 instructions is several times slower than FP32.
+            fallback, why = fallback_precision()
+            if fallback == "32-true":
+                self.precision = "32-true"
+            _warn(f"FP8 is not available: {reason}. Running {why}.")
+            self.fp8_active, self.reason = False, f"{reason}; {why}"
+            self._record("unavailable", reason)
+        if self.precision == "bf16-true":
+            module = module.to(torch.bfloat16)
+        if not ok:
+            self._apply_loaded_state()
+            return module
+        self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
+        self.bf16_modules = bf16_module_names(gpt, self.engine.gemm_modules(gpt),
+                                              fp8_lm_head=self.fp8_lm_head,
+                                              bf16_first_layers=self.bf16_first_layers,
+                                              bf16_last_layers=self.bf16_last_layers)
+        if self.fp8_layers == "auto":
+            self.bf16_modules.update(self._measured_slower(gpt))
+        self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
+        self._converted = True
+        self.fp8_active, self.reason = True, reason
+        self._verify_pending = True
+        self._record("enabled", f"{reason}; recipe {self.recipe_config}")
+        log.info("FP8 %s on %s; BF16 modules: %s", self.recipe_config["recipe"], reason,
+                 ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
+        self._apply_loaded_state()
+        return module
+
+    def _measured_slower(self, gpt: nn.Module) -> dict[str, str]:
+        """``fp8_layers: auto``: the layers whose GEMM shapes time slower in FP8 here."""
+        if self.engine.name != "te":
+            log.info("fp8_layers=auto times TE's GEMMs; engine %s: every layer the policy "
+                     "allows runs FP8", self.engine.name)
+            return {}
+        from ..doctor import Gemm, time_gemm
+        from .policy import slower_in_fp8
+        from .te_engine import make_te_recipe
+
+        tokens = self.tokens_per_micro_batch or 8 * 1024
+        recipe = make_te_recipe(self.recipe_config)
+
+        def time_shape(shape: tuple[int, int], fp8: bool) -> float:
+            gemm = Gemm(f"{shape[1]}->{shape[0]}", shape[1], shape[0], bias=False)
+            return time_gemm(gemm, tokens, recipe if fp8 else None)
+
+        slower = slower_in_fp8(self.engine.gemm_modules(gpt), self.bf16_modules, time_shape)
+        rank_zero_only(log.info)(
+            "fp8_layers=auto at %d tokens per micro-batch%s: %s", tokens,
+            "" if self.tokens_per_micro_batch else " (assumed: the micro-batch is unknown)",
+            "; ".join(f"{k}: {v}" for k, v in slower.items()) or "every layer is faster in FP8")
+        return slower
+
+    # ----------------------------------------------------------------------------- contexts
+    @contextmanager
+    def _context(self, fp8: bool) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            if self.precision == "bf16-mixed":
+                stack.enter_context(torch.autocast(self._device_type, dtype=torch.bfloat16))
+            if self._converted:
+                stack.enter_context(self.engine.context(fp8 and self.fp8_active,
+                                                        self._amax_group))
+            yield
+
+    @contextmanager
+    def _training_context(self) -> Generator[None, None, None]:
+        """A training forward in FP8; after the first FP8 step, checks that FP8 really ran."""
+        with self._context(fp8=True):
+            yield
+        if self._verify_pending and self.fp8_active:
+            self._verify_fp8_ran()
+
+    def _verify_fp8_ran(self) -> None:
+        """After the first FP8 step: did any TE module really run FP8? If not, say so."""
+        self._verify_pending = False
+        ran = self.engine.modules_ran(self.model)
+        if not ran:
+            self.disable_fp8(f"no {self.engine.name} GEMM module ran FP8 in the first step")
+        else:
+            log.info("FP8 verified: %d %s modules ran FP8 in the first step", len(ran),
+                     self.engine.name)
+
+    # ----------------------------------------------------------------------------- switch
+    def disable_fp8(self, reason: str, step: Optional[int] = None) -> None:
+        """Run BF16 from now on (until :meth:`enable_fp8`)."""
+        if not self.fp8_active:
+            return
+        self.fp8_active, self.reason = False, reason
+        if self.model is not None and self._converted:
+            self.engine.set_enabled(self.model, False)
+        self._record("disabled", reason, step)
+        _warn(f"FP8 disabled{'' if step is None else f' at step {step}'}: {reason}. "
+              "Training continues in BF16.")
+
+    def enable_fp8(self, reset_scaling: bool = True, step: Optional[int] = None) -> bool:
+        """Return to FP8 (with fresh scaling state by default); False if FP8 cannot run here."""
+        if self.fp8_active:
+            return True
+        if not self.fp8_available:
+            return False
+        if self.model is not None and self._converted:
+            if reset_scaling:
+                self.engine.reset_scaling(self.model)
+            self.engine.set_enabled(self.model, True)
+        self.fp8_active, self.reason = True, "re-enabled"
+        self._verify_pending = True
+        self._record("enabled", f"re-enabled (reset_scaling={reset_scaling})", step)
+        log.info("FP8 re-enabled%s", "" if step is None else f" at step {step}")
+        return True
+
+    # ----------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = {"recipe": dict(self.recipe_config), "engine": self.engine.name,
+                 "auto": self.auto_figures, "weights": self.weights,
+                 "fp8_active": self.fp8_active, "effective_precision": self.effective_precision,
+                 "reason": self.reason, "history": [dict(h) for h in self.history],
+                 "bf16_modules": dict(self.bf16_modules)}
+        if self.model is not None and self.fp8_available and \
+                RECIPES[self.recipe_config["recipe"]].stateful:
+            state["scaling"] = self.engine.export_scaling(self.model)
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("recipe", {})
+        if saved and saved != self.recipe_config:
+            log.info("checkpoint was trained with FP8 recipe %s; this run uses %s", saved,
+                     self.recipe_config)
+        self.history = list(state_dict.get("history", [])) + self.history
+        self._loaded_state = state_dict
+        # Not set up yet (Fabric: fabric.load before fabric.setup): the switch and the scaling
+        # state need the converted model, so convert_module applies them.
+        if self._model_ref is not None or self.fp8_active:
+            self._apply_loaded_state()
+
+    def _apply_loaded_state(self) -> None:
+        """The loaded switch state and FP8 scaling state, once the model is set up."""
+        state_dict, self._loaded_state = self._loaded_state, None
+        if state_dict is None:
+            return
+        saved = state_dict.get("recipe", {})
+        # The checkpoint's own last event, not this run's (set-up has recorded "enabled" by now).
+        last = (state_dict.get("history") or [{}])[-1]
+        if self.fp8_active and not state_dict.get("fp8_active", True) and \
+                last.get("event") == "disabled":
+            self.disable_fp8(f"restored from checkpoint: {last.get('reason')}")
+        scaling = state_dict.get("scaling")
+        if scaling and self.fp8_active and self.model is not None:
+            if saved.get("recipe") == self.recipe_config["recipe"] and \
+                    RECIPES[saved["recipe"]].stateful:
+                self.scaling_restored = self.engine.import_scaling(self.model, scaling)
+            else:
+                log.info("FP8 scaling state in the checkpoint (%s) not used by recipe %s",
+                         saved.get("recipe"), self.recipe_config["recipe"])
+
+    def _remove_hooks(self) -> None:
+        # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must
+        # still go through the extra-state hooks.
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+class FP8Precision(FP8PrecisionBase, Precision):
+    """The FP8 precision plugin for the Lightning Trainer (``Trainer(plugins=[FP8Precision()])``).
+
+    Arguments and behaviour: :class:`FP8PrecisionBase`. Training steps run FP8; validation, test
+    and predict run BF16 unless ``fp8_eval``. For ``lightning.Fabric`` use
+    :class:`~fp8_lightning.fabric.FabricFP8Precision` (same arguments).
+    """
+
+    @override
+    def forward_context(self) -> Any:
+        return self._context(fp8=True)
+
+    @override
+    def train_step_context(self) -> Any:
+        return self._training_context()
+
+    @override
+    def val_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def test_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def predict_step_context(self) -> Any:
+        return self._context(fp8=self.fp8_eval)
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        # Fabric accepts this plugin (it is a Fabric Precision too) and calls this hook with its
+        # own module or None, where the Trainer's form needs module.trainer: say what to use.
+        if getattr(module, "_trainer", None) is None:
+            raise TypeError("FP8Precision is the Lightning Trainer's plugin and cannot drive "
+                            "lightning.Fabric's backward; with Fabric use "
+                            "fp8_lightning.fabric.FabricFP8Precision (same arguments)")
+        return super().pre_backward(tensor, module)
+
+
+def _data_parallel_group() -> Any:
+    """The group delayed scaling reduces amax over: every data-parallel rank."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return torch.distributed.group.WORLD
+    return None

@@ -1,0 +1,82 @@
+"""The layer policy: the one filter that decides which GEMM modules run FP8 and which stay BF16
+(the LM head, the first/last N blocks, any GEMM whose dims FP8 cannot take). Both engines ask it,
+with the GEMM modules they would convert."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from ..config import FP8_MULTIPLE
+
+
+def find_gpt(module: nn.Module) -> nn.Module:
+    """The GPT inside a LightningModule (``.model``) or the module itself."""
+    inner = getattr(module, "model", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def gemm_dims_ok(module: nn.Module) -> bool:
+    """Every weight matrix of ``module`` has both dims multiples of 16 (FP8 GEMMs need them)."""
+    return all(p.shape[0] % FP8_MULTIPLE == 0 and p.shape[1] % FP8_MULTIPLE == 0
+               for p in module.parameters(recurse=False) if p.ndim == 2)
+
+
+def bf16_module_names(model: nn.Module, gemm_modules: dict[str, nn.Module], *,
+                      fp8_lm_head: bool, bf16_first_layers: int,
+                      bf16_last_layers: int) -> dict[str, str]:
+    """``{module name: why it stays BF16}`` for a GPT whose GEMM modules are ``gemm_modules``.
+
+    A module under ``blocks.<i>`` is a transformer block; ``lm_head`` is the LM head. Every other
+    GEMM module runs FP8 when its dims are multiples of 16.
+    """
+    keep: dict[str, str] = {}
+    n = len(getattr(model, "blocks", []))
+    for i in range(n):
+        if i < bf16_first_layers:
+            keep[f"blocks.{i}"] = f"bf16_first_layers={bf16_first_layers}"
+        elif i >= n - bf16_last_layers:
+            keep[f"blocks.{i}"] = f"bf16_last_layers={bf16_last_layers}"
+    if not fp8_lm_head and hasattr(model, "lm_head"):
+        keep["lm_head"] = "fp8_lm_head=false"
+    for name, module in gemm_modules.items():
+        if not gemm_dims_ok(module) and not any(name.startswith(k + ".") or name == k for k in keep):
+            keep[name] = f"GEMM dims not multiples of {FP8_MULTIPLE}"
+    return keep
+
+
+def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
+    """Is module ``name`` inside one the policy keeps BF16?"""
+    return any(name == k or name.startswith(k + ".") for k in bf16_modules)
+
+
+def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
+    """The (out, in) weight shapes of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
+    return [tuple(p.shape) for p in module.parameters(recurse=False) if p.ndim == 2]
+
+
+def slower_in_fp8(gemm_modules: dict[str, nn.Module], keep: dict[str, str],
+                  time_shape: Callable[[tuple[int, int], bool], float]) -> dict[str, str]:
+    """``fp8_layers: auto``: ``{module name: why}`` for the modules not already kept BF16 whose
+    GEMMs, timed together, are not faster in FP8. ``time_shape((out, in), fp8)`` returns the
+    milliseconds of one forward + backward of that shape at the run's micro-batch (each distinct
+    shape is timed once)."""
+    times: dict[tuple[tuple[int, int], bool], float] = {}
+
+    def timed(shape: tuple[int, int], fp8: bool) -> float:
+        if (shape, fp8) not in times:
+            times[shape, fp8] = time_shape(shape, fp8)
+        return times[shape, fp8]
+
+    slower = {}
+    for name, module in gemm_modules.items():
+        if runs_bf16(name, keep):
+            continue
+        shapes = gemm_shapes(module)
+        bf16 = sum(timed(s, False) for s in shapes)
+        fp8 = sum(timed(s, True) for s in shapes)
+        if fp8 >= bf16:
+            dims = ", ".join(f"{i}->{o}" for o, i in shapes)
+            slower[name] = f"fp8_layers=auto: FP8 {fp8:.3f} ms >= BF16 {bf16:.3f} ms ({dims})"
+    return slower

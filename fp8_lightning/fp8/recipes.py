@@ -1,0 +1,97 @@
+"""The FP8 recipes, one registry entry each: which engine runs it, its fields and their defaults,
+whether it keeps scaling state across steps. A new recipe is one entry here (and, for a new
+engine, the engine's constructor for it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One FP8 recipe.
+
+    Args:
+        engine: ``te`` (TransformerEngine modules, backend ``te``) or ``torchao`` (PyTorch-native
+            float8 GEMMs in the plain PyTorch layers, backend ``torch``, under ``torch.compile``).
+        builds: the engine's name for it (TE's recipe class, torchao's recipe name).
+        defaults: the fields the recipe takes, with their defaults.
+        stateful: keeps scaling state across steps (an amax history) that checkpoints carry.
+    """
+
+    engine: str
+    builds: str
+    defaults: dict[str, Any]
+    stateful: bool = False
+
+
+# fp8_dpa: attention itself (cuDNN, ``model.attention: te``) in FP8; a beta feature of TE.
+RECIPES: dict[str, Recipe] = {
+    "delayed": Recipe("te", "DelayedScaling",
+                      dict(fp8_format="hybrid", margin=0, amax_history_len=1024,
+                           amax_compute_algo="max", reduce_amax=True, fp8_dpa=False),
+                      stateful=True),
+    "current": Recipe("te", "Float8CurrentScaling", dict(fp8_format="hybrid", fp8_dpa=False)),
+    "block": Recipe("te", "Float8BlockScaling", dict(fp8_format="e4m3")),
+    "mxfp8": Recipe("te", "MXFP8BlockScaling", dict(fp8_format="e4m3", margin=0)),
+    # torchao's float8 training recipes (Float8LinearConfig.from_recipe_name): dynamic scales
+    # computed from each tensor as it is cast, so nothing to carry between steps.
+    "tensorwise": Recipe("torchao", "tensorwise", {}),
+    "rowwise": Recipe("torchao", "rowwise", {}),
+    "rowwise_with_gw_hp": Recipe("torchao", "rowwise_with_gw_hp", {}),
+}
+ENGINES = ("te", "torchao")
+BACKEND = {"te": "te", "torchao": "torch"}  # the model backend whose layers each engine converts
+FORMATS = ("hybrid", "e4m3")  # E5M2-only training is not supported by TE
+REMOVED_KEYS = {
+    "interval": "removed in TransformerEngine 2.x (scales are updated every step)",
+    "override_linear_precision": "removed in TransformerEngine 2.x",
+}
+
+
+def recipe_names(engine: str | None = None) -> list[str]:
+    """The recipes of ``engine`` (all without one)."""
+    return [name for name, r in RECIPES.items() if engine in (None, r.engine)]
+
+
+def build_recipe_config(recipe: str, **fields: Any) -> dict[str, Any]:
+    """Validate ``recipe`` and its fields; ``None`` means the recipe's default.
+
+    Returns a plain dict (``{"recipe": name, field: value, ...}``) that goes into checkpoints.
+    TE's recipe classes silently accept misspelled keywords; this does not.
+    """
+    problems = []
+    if recipe not in RECIPES:
+        raise ConfigError([f"recipe={recipe!r}; valid: {', '.join(RECIPES)}"], "FP8 recipe")
+    defaults = RECIPES[recipe].defaults
+    config: dict[str, Any] = {"recipe": recipe, **defaults}
+    valid = ", ".join(defaults) or "none (it has no fields)"
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key in REMOVED_KEYS:
+            problems.append(f"{key}: {REMOVED_KEYS[key]}; valid fields for recipe={recipe!r}: "
+                            f"{valid}")
+        elif key not in defaults:
+            problems.append(f"{key} is not a field of recipe={recipe!r}; valid: {valid}")
+        else:
+            config[key] = value
+    fmt = config.get("fp8_format")
+    if fmt is not None and fmt not in FORMATS:
+        problems.append(f"fp8_format={fmt!r}; valid: {', '.join(FORMATS)} (E5M2-only training "
+                        "is not supported)")
+    elif recipe == "block" and fmt != "e4m3":
+        problems.append(f"fp8_format={fmt!r} with recipe='block'; valid: e4m3")
+    if "amax_compute_algo" in config and config["amax_compute_algo"] not in ("max", "most_recent"):
+        problems.append(f"amax_compute_algo={config['amax_compute_algo']!r}; valid: max, most_recent")
+    if "amax_history_len" in config and not (isinstance(config["amax_history_len"], int)
+                                             and config["amax_history_len"] >= 1):
+        problems.append(f"amax_history_len={config['amax_history_len']!r} must be an integer >= 1")
+    if "margin" in config and not (isinstance(config["margin"], int) and config["margin"] >= 0):
+        problems.append(f"margin={config['margin']!r} must be an integer >= 0")
+    if problems:
+        raise ConfigError(problems, "FP8 recipe")
+    return config

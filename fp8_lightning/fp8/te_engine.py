@@ -1,0 +1,128 @@
+"""The TransformerEngine engine: FP8 in TE's own modules (backend ``te``), under ``te.autocast``.
+
+All TE-specific FP8 code of the package is here and in :mod:`.scaling_state`; the bench, the
+doctor and the statistics callback ask this module instead of TE.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from ..te_support import gpu_fp8_capable, te_module, te_status
+from .engine import Engine
+from .recipes import RECIPES
+from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
+                            strip_extra_state)
+
+
+def make_te_recipe(config: dict[str, Any]) -> Any:
+    """The TransformerEngine recipe object for a validated config."""
+    from transformer_engine.common import recipe as te_recipe
+
+    kwargs = {k: v for k, v in config.items() if k != "recipe"}
+    kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"].upper())
+    return getattr(te_recipe, RECIPES[config["recipe"]].builds)(**kwargs)
+
+
+def recipe_available(recipe: str) -> tuple[bool, str]:
+    """Can TE ``recipe`` run here? Asks TE itself (``is_*_available(return_reason=True)``)."""
+    ok, reason = te_status()
+    if not ok:
+        return False, reason
+    ok, gpu = gpu_fp8_capable()
+    if not ok:
+        return False, gpu
+    te = te_module()
+    check = {"delayed": te.is_fp8_available, "current": te.is_fp8_available,
+             "block": te.is_fp8_block_scaling_available, "mxfp8": te.is_mxfp8_available}[recipe]
+    ok, reason = check(return_reason=True)
+    if not ok:
+        return False, reason or f"TransformerEngine says recipe {recipe!r} is not supported on {gpu}"
+    return True, gpu
+
+
+def te_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Named TE modules that carry FP8 metadata (GEMM modules and ``DotProductAttention``)."""
+    if not te_status()[0]:
+        return {}
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, TransformerEngineBaseModule)}
+
+
+def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Named TE modules that run GEMMs (and so can run FP8)."""
+    modules = te_modules(model)
+    if not modules:
+        return {}
+    attention = te_module().DotProductAttention
+    return {name: m for name, m in modules.items() if not isinstance(m, attention)}
+
+
+class TEEngine(Engine):
+    """TE modules run FP8 inside ``te.autocast(recipe)``; the policy's BF16 modules open a
+    ``te.autocast(enabled=False)`` region around their forward."""
+
+    name, backend = "te", "te"
+
+    def __init__(self) -> None:
+        self.recipe: Any = None
+
+    def available(self, recipe: str) -> tuple[bool, str]:
+        return recipe_available(recipe)
+
+    def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        return te_gemm_modules(model)
+
+    def convert(self, model: nn.Module, config: dict[str, Any],
+                bf16_modules: dict[str, str]) -> list[Any]:
+        te = te_module()
+        self.recipe = make_te_recipe(config)
+        hooks = []
+        modules = dict(model.named_modules())
+        for name in bf16_modules:
+            active: list[Any] = []  # the open te.autocast(enabled=False) region of this module
+
+            def enter(_mod, _args, active=active):
+                region = te.autocast(enabled=False)
+                region.__enter__()
+                active.append(region)
+
+            def leave(_mod, _args, _out, active=active):
+                if active:
+                    active.pop().__exit__(None, None, None)
+
+            hooks.append(modules[name].register_forward_pre_hook(enter))
+            hooks.append(modules[name].register_forward_hook(leave, always_call=True))
+        for module in te_modules(model).values():
+            hooks.append(module.register_state_dict_post_hook(strip_extra_state))
+            hooks.append(module.register_load_state_dict_pre_hook(drop_foreign_extra_state))
+        return hooks
+
+    def context(self, fp8: bool, amax_group: Any = None) -> Any:
+        return te_module().autocast(enabled=fp8, recipe=self.recipe,
+                                    amax_reduction_group=amax_group)
+
+    def modules_ran(self, model: Optional[nn.Module]) -> list[str]:
+        """TE sets ``module.fp8`` on every forward."""
+        if model is None:
+            return []
+        return [name for name, m in te_gemm_modules(model).items() if getattr(m, "fp8", False)]
+
+    def reset_scaling(self, model: nn.Module) -> None:
+        for module in te_modules(model).values():
+            module.reset_fp8_meta_tensors()
+
+    def export_scaling(self, model: nn.Module) -> dict[str, dict[str, Any]]:
+        return export_fp8_scaling(model)
+
+    def import_scaling(self, model: nn.Module, scaling: dict[str, dict[str, Any]]) -> int:
+        return import_fp8_scaling(model, scaling, self.recipe)
+
+
+def fp8_modules_ran(model: Optional[nn.Module]) -> list[str]:
+    """TE modules whose last forward ran FP8."""
+    return TEEngine().modules_ran(model)

@@ -1,0 +1,104 @@
+"""The PyTorch-native engine: torchao's float8 training GEMMs in the plain PyTorch layers (backend
+``torch``), compiled with the model (``model.compile``), as torchtitan runs it.
+
+Recipes ``tensorwise`` (one scale per tensor, cuBLAS; the fastest), ``rowwise`` (a scale per
+row, CUTLASS; power-of-two scales) and ``rowwise_with_gw_hp`` (rowwise, the weight gradient in
+high precision): all dynamic, so there is no scaling state to carry.
+
+Why not ``torchao.float8.convert_to_float8_training``: it swaps ``nn.Linear`` modules for its
+``Float8Linear``, and this package's PyTorch layers are TE-shaped fused modules
+(``LayerNormLinear``, ``LayerNormMLP`` with ``fc1_weight``/``fc2_weight``) that keep TE's
+parameter names so checkpoints move between backends. The engine calls the same autograd
+function ``Float8Linear.forward`` calls (``matmul_with_hp_or_float8_args``), with the recipe's
+``Float8LinearConfig``, from each converted layer's matmuls. Not built yet: FSDP2's float8
+all-gather of weights (``enable_fsdp_float8_all_gather``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+
+from ..te_support import gpu_fp8_capable
+from .engine import Engine
+from .policy import runs_bf16
+
+TORCHAO_MIN_VERSION = "0.12"  # Float8LinearConfig.from_recipe_name with the three recipes
+TORCHAO_REQUIREMENT = RequirementCache(f"torchao>={TORCHAO_MIN_VERSION}")
+# Row-wise scaled GEMMs (torch._scaled_mm with per-row scales) need Hopper; tensorwise runs on Ada.
+MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0), "rowwise_with_gw_hp": (9, 0)}
+
+
+def float8_linear(recipe: str) -> Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+                                           torch.Tensor]:
+    """``F.linear(x, weight, bias)`` with the GEMMs (forward and both backward) in float8 by
+    torchao's ``recipe``; what ``torchao.float8.Float8Linear.forward`` does."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    mm = [ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+          for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
+                       config.gemm_config_grad_weight)]
+    mm_config = LinearMMConfig(*mm)
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the dtype autocast would give F.linear's input
+            x = x.to(torch.get_autocast_dtype(device))
+        out = matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    linear.recipe = recipe  # type: ignore[attr-defined]
+    return linear
+
+
+class TorchaoEngine(Engine):
+    """Float8 GEMMs in the PyTorch layers; the switch to BF16 puts ``F.linear`` back."""
+
+    name, backend = "torchao", "torch"
+
+    def __init__(self) -> None:
+        self.converted: dict[str, nn.Module] = {}
+        self.gemm: Optional[Callable[..., torch.Tensor]] = None
+
+    def available(self, recipe: str) -> tuple[bool, str]:
+        if not TORCHAO_REQUIREMENT:
+            return False, ("torchao >= %s is not installed (pip install "
+                           '"fp8-lightning[torchao]")' % TORCHAO_MIN_VERSION)
+        ok, gpu = gpu_fp8_capable()
+        if not ok:
+            return False, gpu
+        need = MIN_CAPABILITY[recipe]
+        if torch.cuda.get_device_capability() < need:
+            return False, (f"torchao recipe {recipe!r} needs compute capability >= "
+                           f"{need[0]}.{need[1]}; {gpu} has less")
+        return True, gpu
+
+    def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        from ..layers import _Gemms
+
+        return {name: m for name, m in model.named_modules() if isinstance(m, _Gemms)}
+
+    def convert(self, model: nn.Module, config: dict[str, Any],
+                bf16_modules: dict[str, str]) -> list[Any]:
+        self.gemm = float8_linear(config["recipe"])
+        self.converted = {name: m for name, m in self.gemm_modules(model).items()
+                          if not runs_bf16(name, bf16_modules)}
+        self.set_enabled(model, True)
+        return []
+
+    def set_enabled(self, model: nn.Module, on: bool) -> None:
+        # A changed attribute is a guard failure for torch.compile: the next step recompiles
+        # once, for each state (FP8 / BF16), then both graphs are cached.
+        for module in self.converted.values():
+            module.float8 = self.gemm if on else None
+
+    def modules_ran(self, model: Optional[nn.Module]) -> list[str]:
+        """The converted layers whose matmuls go through the float8 GEMM (every call of theirs
+        does; under ``torch.compile`` a traced call leaves no Python trace to count)."""
+        return [name for name, m in self.converted.items() if m.float8 is not None]

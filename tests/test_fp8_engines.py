@@ -1,0 +1,165 @@
+"""The FP8 component: the recipe registry, the engines behind one plugin, the typed accessor.
+
+torchao's float8 GEMMs run on a CPU (``torch._scaled_mm`` has a CPU kernel), so the torchao
+engine's conversion, switch and checkpoints are tested here for real; its speed and the TE engine
+are tested on the GPU (``-m gpu``)."""
+
+import pytest
+import torch
+
+from fp8_lightning.config import ConfigError, GPTConfig
+from fp8_lightning.fp8 import (BACKEND, ENGINES, RECIPES, FP8Precision, build_recipe_config,
+                               fp8_plugin, get_engine, recipe_names)
+from fp8_lightning.model import GPT
+
+torchao = pytest.importorskip("torchao")  # the [torchao] extra, part of [dev]
+CONFIG = GPTConfig(name="tiny", n_layer=2, vocab_size=512)
+
+
+def test_every_recipe_names_a_known_engine_and_validates_its_fields():
+    assert set(recipe_names("te")) == {"delayed", "current", "block", "mxfp8"}
+    assert set(recipe_names("torchao")) == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    for name, recipe in RECIPES.items():
+        assert recipe.engine in ENGINES and BACKEND[recipe.engine] in ("te", "torch")
+        assert build_recipe_config(name)["recipe"] == name
+    assert [r for r, e in RECIPES.items() if e.stateful] == ["delayed"]  # the amax history
+    with pytest.raises(ConfigError, match="fp8_format is not a field of recipe='tensorwise'"):
+        build_recipe_config("tensorwise", fp8_format="e4m3")
+
+
+def test_engine_and_recipe_must_agree():
+    assert FP8Precision().recipe_config["recipe"] == "delayed"  # the default: TE, delayed
+    assert FP8Precision(engine="torchao").recipe_config["recipe"] == "tensorwise"
+    assert FP8Precision(recipe="rowwise").engine.name == "torchao"
+    with pytest.raises(ConfigError, match="recipe='delayed' runs on engine 'te'; valid recipes "
+                                          "for engine='torchao': tensorwise, rowwise"):
+        FP8Precision(recipe="delayed", engine="torchao")
+    with pytest.raises(ConfigError, match="engine='jax'; valid: te, torchao"):
+        FP8Precision(engine="jax")
+
+
+def test_torchao_without_a_gpu_falls_back_with_the_reason():
+    plugin = FP8Precision(engine="torchao")
+    plugin.convert_module(GPT(CONFIG))
+    assert not plugin.fp8_active and "no CUDA GPU" in plugin.reason
+    assert plugin.history[-1]["event"] == "unavailable"
+
+
+def make_pair(recipe):
+    """A tiny PyTorch-backend GPT converted by the torchao engine, and an unconverted twin."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    twin = GPT(CONFIG)
+    twin.load_state_dict(model.state_dict())
+    engine = get_engine("torchao")
+    keep = {"lm_head": "fp8_lm_head=false"}
+    engine.convert(model, build_recipe_config(recipe), keep)
+    return engine, model, twin
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchao_engine_runs_float8_gemms_and_switches_back(recipe):
+    engine, model, twin = make_pair(recipe)
+    assert sorted(engine.modules_ran(model)) == sorted(
+        f"blocks.{i}.{m}" for i in range(2) for m in ("qkv", "proj", "mlp"))  # not the head
+    idx = torch.randint(0, 512, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp8_loss, bf16_loss = model(idx, idx), twin(idx, idx)
+    fp8_loss.backward()
+    # Float8 quantisation really happened (not BF16 under another name) and stays close.
+    assert fp8_loss.item() != bf16_loss.item()
+    assert abs(fp8_loss.item() - bf16_loss.item()) < 0.05 * bf16_loss.item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    engine.set_enabled(model, False)  # the BF16 fallback: F.linear again, the twin's numbers
+    assert engine.modules_ran(model) == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(idx, idx), twin(idx, idx))
+
+
+def test_torchao_checkpoints_are_plain_and_load_into_either_backend_layout():
+    engine, model, twin = make_pair("tensorwise")
+    state = model.state_dict()
+    assert set(state) == set(twin.state_dict())  # TE's names, TE's _extra_state keys
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    fresh = GPT(CONFIG)
+    fresh.load_state_dict(state, strict=True)
+    assert engine.export_scaling(model) == {}  # dynamic scales: nothing to carry
+
+
+def test_fp8_plugin_is_the_accessor_for_trainer_module_and_fabric():
+    import lightning as L
+
+    plugin = FP8Precision()
+    trainer = L.Trainer(plugins=[plugin], accelerator="cpu", logger=False)
+    assert fp8_plugin(trainer) is plugin
+    assert fp8_plugin(L.Trainer(accelerator="cpu", logger=False)) is None
+    from fp8_lightning.fabric import FabricFP8Precision
+
+    fabric_plugin = FabricFP8Precision()
+    assert fp8_plugin(L.Fabric(accelerator="cpu", plugins=[fabric_plugin])) is fabric_plugin
+
+
+def test_auto_takes_the_fastest_candidate_fp8_or_bf16():
+    from fp8_lightning.fp8.auto import BF16, candidates, choose
+
+    assert candidates("te")[0] == "fp8-delayed-te-attn" and BF16 in candidates("sdpa")
+    recipe, figures = choose({"fp8-delayed": 30.0, "fp8-tensorwise": 28.5, "fp8-block": None,
+                              BF16: 31.0})
+    assert recipe == "tensorwise"
+    assert figures == ("fp8-tensorwise 28.50 ms, fp8-delayed 30.00 ms, torch-compile 31.00 ms "
+                       "(could not run: fp8-block)")
+    assert choose({"fp8-delayed-te-attn": 41.0, BF16: 39.9})[0] is None  # BF16 won
+    assert choose({"fp8-delayed": None})[0] is None
+
+
+def test_auto_measures_only_where_it_can_and_says_so():
+    with pytest.raises(ConfigError, match="recipe='delayed' with engine='auto'"):
+        FP8Precision(engine="auto", recipe="delayed")
+    plugin = FP8Precision(engine="auto")
+    assert plugin.auto
+    backend = plugin.choose_engine(CONFIG, 2, 32, "sdpa")  # no GPU here: nothing measured
+    assert not plugin.auto and plugin.auto_figures == "no GPU: nothing to measure"
+    assert backend == "te" and plugin.state_dict()["auto"] == plugin.auto_figures
+    plugin = FP8Precision(engine="auto")
+    plugin.auto_bf16 = "engine auto measured BF16 fastest (stub)"  # what a GPU probe can decide
+    plugin.auto = False
+    plugin.on_unavailable = "error"  # BF16 chosen by measurement is no failure
+    plugin.convert_module(GPT(CONFIG))
+    assert not plugin.fp8_active and "BF16 fastest" in plugin.reason
+
+
+def test_fp8_layers_auto_keeps_bf16_the_layers_slower_in_fp8():
+    """The policy's measured filter with stubbed timings (the real ones are te.Linear on a GPU):
+    a module whose GEMMs together are not faster in FP8 stays BF16, each shape timed once."""
+    from fp8_lightning.fp8.policy import slower_in_fp8
+
+    model = GPT(GPTConfig(name="tiny", n_layer=2, vocab_size=512, n_embd=64, n_head=4,
+                          ffn_hidden=256))
+    gemms = get_engine("torchao").gemm_modules(model)
+    calls = []
+
+    def time_shape(shape, fp8):  # FP8 pays only where a dim is 256: the MLP's fc1/fc2
+        calls.append((shape, fp8))
+        return (0.5 if 256 in shape else 1.2) if fp8 else 1.0
+
+    slower = slower_in_fp8(gemms, {"lm_head": "fp8_lm_head=false"}, time_shape)
+    assert sorted(slower) == [f"blocks.{i}.{m}" for i in range(2) for m in ("proj", "qkv")]
+    assert slower["blocks.0.proj"] == "fp8_layers=auto: FP8 1.200 ms >= BF16 1.000 ms (64->64)"
+    assert len(calls) == len(set(calls)) == 2 * 4  # qkv, proj, fc1, fc2 shapes: once each
+    with pytest.raises(ConfigError, match="fp8_layers='some'; valid: all, auto"):
+        FP8Precision(fp8_layers="some")
+
+
+def test_auto_with_several_processes_takes_rank_zeros_choice():
+    """Rank zero measures; every rank builds what it chose (here a broadcast that hands over
+    rank zero's choice, as the strategy's does)."""
+    plugin = FP8Precision(engine="auto")
+    sent = []
+
+    def broadcast(obj):
+        sent.append(obj)
+        return ("rowwise", None, "fp8-rowwise 1.00 ms, torch-compile 2.00 ms")  # rank zero's
+
+    assert plugin.choose_engine(CONFIG, 2, 32, "sdpa", broadcast) == "torch"
+    assert sent == [("delayed", None, "no GPU: nothing to measure")]  # what this rank measured
+    assert plugin.engine.name == "torchao" and plugin.recipe_config == {"recipe": "rowwise"}

@@ -1,0 +1,99 @@
+"""GPU tests of the PyTorch-native engine (torchao float8 in the PyTorch layers), beside the TE
+engine's in test_gpu.py: it trains close to BF16, compiled as users run it, shows float8 kernels,
+falls back and re-enables, and bench runs its variants."""
+
+import pytest
+import torch
+
+from fp8_lightning.bench import measure, parse_variant
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.model import GPT, compile_model
+
+from tests.helpers import GPU_B, GPU_SMALL, GPU_T
+from tests.test_gpu import eval_loss, tokens, train  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.gpu
+torchao = pytest.importorskip("torchao")
+
+
+def torch_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.from_name("gpt2", **GPU_SMALL), backend="torch").cuda()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchao_recipe_trains_100_steps_close_to_bf16_compiled(recipe, tokens, capsys):
+    reference = torch_model()
+    bf16 = FP8Precision(recipe=recipe)
+    bf16.convert_module(reference)
+    bf16.disable_fp8("BF16 reference")
+    compile_model(reference)
+    ref_losses = train(reference, bf16, tokens, 100)
+    model = torch_model()
+    plugin = FP8Precision(recipe=recipe)
+    plugin.convert_module(model)
+    assert plugin.fp8_active and plugin.engine.name == "torchao", plugin.reason
+    compile_model(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        losses = train(model, plugin, tokens, 100)
+    kernels = " ".join(e.key for e in prof.key_averages()).lower()
+    assert "fp8" in kernels or "e4m3" in kernels or "scaled_mm" in kernels, "no float8 GEMM ran"
+    final, ref_final = eval_loss(model, tokens), eval_loss(reference, tokens)
+    gap = abs(final - ref_final) / ref_final
+    with capsys.disabled():
+        print(f"\n[torchao {recipe}] train loss {losses[-1]:.4f} (bf16 {ref_losses[-1]:.4f}), "
+              f"eval {final:.4f} (bf16 {ref_final:.4f}), gap {100 * gap:.2f}%")
+    assert all(torch.isfinite(torch.tensor(losses))) and gap < 0.02
+    plugin.disable_fp8("test")  # the fallback and back, compiled: both states run
+    train(model, plugin, tokens, 2, start=100)
+    assert plugin.enable_fp8() and plugin.engine.modules_ran(model)
+    assert all(torch.isfinite(torch.tensor(train(model, plugin, tokens, 2, start=102))))
+
+
+def test_bench_runs_the_torchao_variants():
+    for name in ("fp8-tensorwise", "fp8-rowwise"):
+        result = measure(parse_variant(name), GPTConfig.from_name("gpt2", **GPU_SMALL), GPU_B,
+                         GPU_T, steps=3, warmup=2, device=torch.device("cuda"),
+                         fp8_args=dict(recipe=name[4:], on_unavailable="error"))
+        assert result["status"] == "ran" and result["backend"] == "torch", result
+        assert result["precision"].startswith(f"FP8 {name[4:]} compiled")
+
+
+def test_auto_measures_chooses_and_the_run_trains_what_it_chose(tmp_path, tokens):
+    import lightning as L
+
+    from fp8_lightning.module import GPTLightningModule
+
+    plugin = FP8Precision(engine="auto")
+    module = GPTLightningModule(GPTConfig.from_name("gpt2", **GPU_SMALL), warmup_steps=2,
+                                lr_decay_steps=20)
+    trainer = L.Trainer(max_steps=5, plugins=[plugin], accelerator="gpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(tokens[: 5 * GPU_B], batch_size=GPU_B)
+    trainer.fit(module, loader)
+    assert not plugin.auto and " ms" in plugin.auto_figures
+    fastest = plugin.auto_figures.split(" ")[0]  # the figures list the fastest first
+    if fastest == "torch-compile":
+        assert not plugin.fp8_active and "BF16 fastest" in plugin.reason
+    else:
+        assert plugin.fp8_active and fastest.startswith(f"fp8-{plugin.recipe_config['recipe']}")
+        assert module.backend_name == plugin.engine.backend
+
+
+def test_fp8_layers_auto_times_the_shapes_and_keeps_the_slow_ones_bf16(tokens, caplog):
+    import logging
+
+    from tests.test_gpu import make_model
+
+    model = make_model()  # TE backend
+    plugin = FP8Precision(fp8_layers="auto")
+    plugin.tokens_per_micro_batch = GPU_B * GPU_T
+    with caplog.at_level(logging.INFO):
+        plugin.convert_module(model)
+    assert plugin.fp8_active and "fp8_layers=auto at" in caplog.text
+    measured = {k: v for k, v in plugin.bf16_modules.items() if v.startswith("fp8_layers=auto")}
+    print(f"\n[fp8_layers=auto] kept BF16: {measured or 'none'}")
+    losses = train(model, plugin, tokens, 5)
+    assert all(torch.isfinite(torch.tensor(losses)))
