@@ -30,6 +30,8 @@ import torch
 
 from .config import ConfigError, GPTConfig
 
+GPT2_VOCAB = 50257  # GPT-2's BPE: the tokenizer a checkpoint that records none was trained with
+
 # config.json keys -> GPTConfig fields, per architecture (model_type).
 GPT2_KEYS = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer",
              "n_head": "n_head", "n_embd": "n_embd", "layer_norm_epsilon": "norm_eps"}
@@ -401,8 +403,9 @@ def write_tokenizer(tokenizer: str, directory: Path, config: GPTConfig) -> list[
 
 
 def save_hf(config: GPTConfig, state: dict[str, torch.Tensor], directory: str | os.PathLike,
-            tokenizer: str = "gpt2") -> Path:
-    """Write a directory ``transformers`` loads (config.json, model.safetensors, tokenizer files).
+            tokenizer: Optional[str] = "gpt2") -> Path:
+    """Write a directory ``transformers`` loads (config.json, model.safetensors, tokenizer files;
+    ``tokenizer=None``: no tokenizer files).
 
     Written beside the target and renamed into place, so a failure leaves nothing half-written;
     an existing non-empty directory is never overwritten."""
@@ -426,7 +429,8 @@ def save_hf(config: GPTConfig, state: dict[str, torch.Tensor], directory: str | 
             {"bos_token_id": hf_config.get("bos_token_id"),
              "eos_token_id": hf_config.get("eos_token_id")}, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_tokenizer(tokenizer, tmp, config)
+        if tokenizer is not None:
+            write_tokenizer(tokenizer, tmp, config)
         if path.exists():
             path.rmdir()  # empty (checked above)
         publish_directory(tmp, path)
@@ -497,8 +501,14 @@ def checkpoint_to_hf(checkpoint: str, output: str, tokenizer: Optional[str] = No
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if not k.endswith("_extra_state")}
     tokenizer = tokenizer or (ckpt.get("fp8_lightning") or {}).get("tokenizer") or \
-        (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer") or "gpt2"
+        (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    note = "tokenizer"
+    if tokenizer is None and config.vocab_size == GPT2_VOCAB:
+        tokenizer = "gpt2"  # an old or hand-made checkpoint with GPT-2's vocabulary
+    elif tokenizer is None:  # guessing GPT-2's would decode another vocabulary as garbage
+        note = (f"no tokenizer: the checkpoint records none and its vocabulary "
+                f"({config.vocab_size}) is not GPT-2's; add --tokenizer PATH")
     path = save_hf(config, state, output, tokenizer)
     print(f"{path}: {ARCHITECTURES[hf_config_from(config)['model_type']]} (config.json, "
-          f"model.safetensors, tokenizer) from {checkpoint}")
+          f"model.safetensors, {note}) from {checkpoint}")
     return path

@@ -144,14 +144,21 @@ def tokenizer_of(directory: str | Path) -> Optional[str]:
 
 
 def same_tokenizer(a: str, b: str) -> bool:
-    """Do two tokenizer names (``gpt2``, a tokenizer.json, a model directory) mean the same one?"""
+    """Do two tokenizer names (``gpt2``, a tokenizer.json, a model directory) mean the same one?
+    By content: GPT-2's BPE wherever it lies is ``gpt2``, other files compare by their bytes
+    (the same tokenizer.json copied elsewhere is the same tokenizer)."""
     def key(name: str) -> str:
         if name == "gpt2":
             return name
         path = Path(name).expanduser().resolve()
         if path.name == "tokenizer.json":
             path = path.parent
-        return (tokenizer_of(path) or str(path)) if path.is_dir() else str(path)
+        if path.is_dir() and tokenizer_of(path) == "gpt2":
+            return "gpt2"
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if file.is_file():
+            return "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
+        return str(path)
     return key(a) == key(b)
 
 

@@ -85,7 +85,8 @@ def test_round_trip_in_then_out_is_identical_and_loads_in_transformers(hf_dirs, 
     directory, reference = hf_dirs[arch]
     ckpt, out = tmp_path / "model.ckpt", tmp_path / "out"
     assert run_cli(["convert", "--from-hf", directory, ckpt], capsys)[0] == 0
-    assert run_cli(["convert", "--to-hf", ckpt, out], capsys)[0] == 0
+    code, printed, _ = run_cli(["convert", "--to-hf", ckpt, out], capsys)
+    assert code == 0
     original, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() <= original.keys()
     assert original.keys() - written.keys() <= {"lm_head.weight"}  # tied: stored once
@@ -99,6 +100,9 @@ def test_round_trip_in_then_out_is_identical_and_loads_in_transformers(hf_dirs, 
     if arch == "gpt2":  # the package's GPT-2 BPE files, under Hugging Face's names
         tok = transformers.AutoTokenizer.from_pretrained(out)
         assert tok("Hello world")["input_ids"] == [15496, 995]
+    else:  # the Llama directory ships no tokenizer: none is guessed (GPT-2's would be garbage)
+        assert not list(out.glob("tokenizer*")) and not (out / "vocab.json").exists()
+        assert "no tokenizer: the checkpoint records none and its vocabulary (1000)" in printed
 
 
 def test_converted_checkpoint_generates_and_records_its_tokenizer(hf_dirs, tmp_path, capsys):

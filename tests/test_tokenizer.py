@@ -1,7 +1,7 @@
 import pytest
 
 from fp8_lightning.data import EMBEDDED_CORPUS, EMBEDDED_SHA256
-from fp8_lightning.tokenizer import ASSETS, GPT2_FILES, get_tokenizer, sha256
+from fp8_lightning.tokenizer import ASSETS, GPT2_FILES, get_tokenizer, same_tokenizer, sha256
 
 
 def test_shipped_files_have_the_expected_checksums():
@@ -29,6 +29,25 @@ def test_hf_tokenizer_json(tmp_path):
     tok = get_tokenizer(str(tmp_path))
     assert tok.eot_id == tk.token_to_id("</s>")
     assert tok.decode(tok.encode("to be")).replace(" ", "") == "tobe"
+
+
+def test_same_tokenizer_compares_content_not_paths(tmp_path):
+    from fp8_lightning.tokenizer import byte_level_bpe
+
+    gpt2_json = tmp_path / "hub-gpt2"  # GPT-2's BPE as a Hub directory has it
+    gpt2_json.mkdir()
+    byte_level_bpe(ASSETS / "gpt2" / "encoder.json", ASSETS / "gpt2" / "vocab.bpe").save(
+        str(gpt2_json / "tokenizer.json"))
+    assert same_tokenizer("gpt2", str(gpt2_json))
+    assert same_tokenizer(str(gpt2_json / "tokenizer.json"), "gpt2")
+    mine, copy = tmp_path / "mine", tmp_path / "copy"
+    for folder, text in ((mine, '{"model": {"vocab": {"a": 0}}}'), (copy, '{"model": {"vocab": {"a": 0}}}')):
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(text)
+    assert same_tokenizer(str(mine), str(copy / "tokenizer.json"))  # a copy elsewhere: the same
+    (copy / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
+    assert not same_tokenizer(str(mine), str(copy))  # same name, other content: not the same
+    assert not same_tokenizer("gpt2", str(mine))
 
 
 def test_unknown_tokenizer_is_a_clear_error():
