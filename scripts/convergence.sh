@@ -30,15 +30,24 @@ run() {  # run GPU NAME CONFIG ARGS...
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }
+RECIPES=${RECIPES:-"bf16 fp8-delayed fp8-current fp8-block"}  # also: fp8-tensorwise fp8-rowwise (torchao)
+recipe_args() {  # recipe_args NAME: config and overrides of one recipe
+    case $1 in
+        bf16)           echo configs/gpt2_bf16.yaml ;;
+        fp8-delayed)    echo configs/gpt2_fp8.yaml ;;
+        fp8-tensorwise|fp8-rowwise) echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") --model.attention sdpa ;;
+        fp8-*)          echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") ;;
+    esac
+}
 i=0
 runs=()
 for seed in $SEEDS; do
-    run $((i + 0)) bf16-s$seed configs/gpt2_bf16.yaml --seed_everything "$seed" &
-    run $((i + 1)) fp8-delayed-s$seed configs/gpt2_fp8.yaml --seed_everything "$seed" &
-    run $((i + 2)) fp8-current-s$seed configs/gpt2_fp8.yaml $(fp8 current) --seed_everything "$seed" &
-    run $((i + 3)) fp8-block-s$seed configs/gpt2_fp8.yaml $(fp8 block) --seed_everything "$seed" &
-    runs+=(bf16-s$seed fp8-delayed-s$seed fp8-current-s$seed fp8-block-s$seed)
-    i=$((i + 4))
+    for recipe in $RECIPES; do
+        # shellcheck disable=SC2046  # recipe_args is split on purpose
+        run $i "$recipe-s$seed" $(recipe_args "$recipe") --seed_everything "$seed" &
+        runs+=("$recipe-s$seed")
+        i=$((i + 1))
+    done
 done
 wait
 for name in "${runs[@]}"; do
@@ -52,7 +61,8 @@ for name in "${runs[@]}"; do
     cp "$(find "$OUT/$name" -name 'events.out.tfevents.*' | head -1)" "$OUT/tb-$name/" || true
 done
 for seed in $SEEDS; do
-    these=(bf16-s$seed fp8-delayed-s$seed fp8-current-s$seed fp8-block-s$seed)
+    these=()
+    for recipe in $RECIPES; do these+=("$recipe-s$seed"); done
     $PYTHON -m fp8_lightning compare "${these[@]/#/$OUT/tb-}" --labels "${these[@]}" \
         --output "$OUT/convergence-s$seed.png"
 done

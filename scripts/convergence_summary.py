@@ -22,16 +22,13 @@ def main(out: str) -> None:
         if value is not None:
             finals[recipe].append((seed, value))
     base = statistics.mean(v for _, v in finals["bf16"]) if finals.get("bf16") else None
-    print("recipe      | seeds | final val loss per seed      | mean   | spread (max-min) | gap to BF16")
-    for recipe in ("bf16", "fp8-delayed", "fp8-current", "fp8-block"):
-        values = [v for _, v in finals.get(recipe, [])]
-        if not values:
-            print(f"{recipe:<11} | 0     | (no run)")
-            continue
+    print("recipe         | seeds | final val loss per seed      | mean   | spread (max-min) | gap to BF16")
+    for recipe in sorted(finals, key=lambda r: (r != "bf16", r)):
+        values = [v for _, v in finals[recipe]]
         mean = statistics.mean(values)
         gap = f"{mean / base - 1:+.2%}" if base else "-"
         per_seed = " ".join(f"{v:.4f}" for v in values)
-        print(f"{recipe:<11} | {len(values):<5} | {per_seed:<28} | {mean:.4f} | "
+        print(f"{recipe:<14} | {len(values):<5} | {per_seed:<28} | {mean:.4f} | "
               f"{max(values) - min(values):.4f}           | {gap}")
 
 
