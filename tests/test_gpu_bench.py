@@ -14,7 +14,7 @@ import pytest
 
 from fp8_lightning.bench import DEFAULT_VARIANTS, bench
 from fp8_lightning.doctor import EXIT_OK, doctor
-from fp8_lightning.fp8 import recipe_available
+from fp8_lightning.fp8 import RECIPES, get_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,8 @@ def test_bench_runs_every_variant_or_says_why(bench_report):
     assert not failed, failed
     must_run = ["torch-compile", "torch-eager", "te-bf16", "fp8-delayed", "fp8-current",
                 "te-bf16-te-attn", "fp8-delayed-te-attn", "fp8-delayed-bf16ends"]
-    must_run += [f"fp8-{r}" for r in ("block", "mxfp8") if recipe_available(r)[0]]
+    must_run += [f"fp8-{r}" for r in ("block", "mxfp8", "tensorwise", "rowwise")
+                 if get_engine(RECIPES[r].engine).available(r)[0]]  # torchao's where installed
     for name, r in results.items():
         if name in must_run:
             assert r["status"] == "ran", (name, r)
