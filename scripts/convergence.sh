@@ -32,11 +32,13 @@ run() {  # run GPU NAME CONFIG ARGS...
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }
-RECIPES=${RECIPES:-"bf16 fp8-delayed fp8-current fp8-block"}  # also: fp8-tensorwise fp8-rowwise (torchao)
+RECIPES=${RECIPES:-"bf16 fp8-delayed fp8-current fp8-block"}  # also: fp8-tensorwise fp8-rowwise
+# (torchao), fp8-delayed-fp32res (the residual stream in float32, as the torch baseline)
 recipe_args() {  # recipe_args NAME: config and overrides of one recipe
     case $1 in
         bf16)           echo configs/gpt2_bf16.yaml ;;
         fp8-delayed)    echo configs/gpt2_fp8.yaml ;;
+        fp8-delayed-fp32res) echo configs/gpt2_fp8.yaml --model.config.fp32_residual true ;;
         fp8-tensorwise|fp8-rowwise) echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") --model.attention sdpa ;;
         fp8-*)          echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") ;;
     esac
@@ -69,3 +71,4 @@ for seed in $SEEDS; do
         --output "$OUT/convergence-s$seed.png"
 done
 $PYTHON scripts/convergence_summary.py "$OUT"
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"/tb-* "$(basename "$OUT")"/*.log  # one file back
