@@ -71,4 +71,6 @@ for seed in $SEEDS; do
         --output "$OUT/convergence-s$seed.png"
 done
 $PYTHON scripts/convergence_summary.py "$OUT"
-tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"/tb-* "$(basename "$OUT")"/*.log  # one file back
+# One archive of the logs and event files (the device tool returns only a few files per call);
+# the globs expand inside $OUT's parent, not here.
+(cd "$(dirname "$OUT")" && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"/tb-* "$(basename "$OUT")"/*.log)
