@@ -1,21 +1,35 @@
 """fp8-lightning: FP8 training of GPT-style models with TransformerEngine, as a Lightning run."""
 
+import importlib
+
 # The one version source: pyproject.toml reads it (setuptools dynamic version, statically).
 __version__ = "0.1.0"
 
-from .checkpoint import AtomicCheckpointIO, Checkpoint, CheckpointError  # noqa: E402
-from .config import PRESETS, ConfigError, GPTConfig  # noqa: E402
-from .data import TokenShardDataModule, prepare  # noqa: E402
-from .distributed import FSDP2Strategy  # noqa: E402
-from .fabric import FabricFP8Precision, FabricNaNGuard  # noqa: E402
-from .fp8 import FP8Precision  # noqa: E402
-from .fp8.stats import FP8Stats  # noqa: E402
-from .model import GPT  # noqa: E402
-from .module import GPTLightningModule  # noqa: E402
-from .monitor import TrainingMonitor  # noqa: E402
-from .safety import FaultInjection, NaNGuard, NonFiniteTrainingError  # noqa: E402
+# The public names and the module each lives in, imported on first use (PEP 562): importing a
+# light module such as `fp8_lightning.documents` (in prepare's spawned workers) or the
+# `fp8_lightning.__main__` of a spawned child must not import Lightning and the whole package,
+# about 10 s per process on a small CPU.
+_EXPORTS = {
+    "AtomicCheckpointIO": "checkpoint", "Checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+    "PRESETS": "config", "ConfigError": "config", "GPTConfig": "config",
+    "TokenShardDataModule": "data", "prepare": "data",
+    "FSDP2Strategy": "distributed",
+    "FabricFP8Precision": "fabric", "FabricNaNGuard": "fabric",
+    "FP8Precision": "fp8", "FP8Stats": "fp8.stats",
+    "GPT": "model", "GPTLightningModule": "module", "TrainingMonitor": "monitor",
+    "FaultInjection": "safety", "NaNGuard": "safety", "NonFiniteTrainingError": "safety",
+}
 
-__all__ = ["FabricFP8Precision", "FabricNaNGuard", "AtomicCheckpointIO", "Checkpoint", "CheckpointError", "ConfigError", "FP8Precision",
-           "FP8Stats", "FSDP2Strategy", "FaultInjection", "GPT", "GPTConfig", "GPTLightningModule",
-           "NaNGuard", "NonFiniteTrainingError", "PRESETS", "TokenShardDataModule",
-           "TrainingMonitor", "__version__", "prepare"]
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

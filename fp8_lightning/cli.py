@@ -176,6 +176,17 @@ class FP8LightningCLI(LightningCLI):
                         raise ConfigError([f"trainer.{key}: {name}: {err}"]) from None
         check_trainer_arguments(trainer)
 
+    def before_fit(self) -> None:
+        # The embedded corpus is prepared with data.tokenizer on first use (a minute on a small
+        # CPU): a tokenizer that does not fit model.init_from's weights is said before that, not
+        # in the module's setup after it. (A prepared dataset's tokenizer is checked at setup.)
+        data, model = self.datamodule, self.model
+        if isinstance(data, TokenShardDataModule) and not data.data_dir and \
+                hasattr(model, "tokenizer_problem"):
+            problem = model.tokenizer_problem(data.tokenizer)
+            if problem:
+                raise ConfigError([problem], "model/data")
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:

@@ -261,6 +261,20 @@ class GPTLightningModule(L.LightningModule):
             return loss, y.numel()
         return self.model(x, y), y.numel()
 
+    def tokenizer_problem(self, used: Optional[str]) -> Optional[str]:
+        """With ``model.init_from``: the data's tokenizer ``used`` must be the one the weights were
+        trained with; the problem, or None (no init_from, or either side unknown)."""
+        if self.hparams.init_from is None or not used:
+            return None
+        from .hf import init_source
+        from .tokenizer import same_tokenizer
+
+        wanted = init_source(self.hparams.init_from)[1]
+        if wanted and not same_tokenizer(wanted, used):
+            return (f"data.tokenizer={used!r} but the weights of model.init_from were trained "
+                    f"with {wanted!r}; set --data.tokenizer {wanted}")
+        return None
+
     @override
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -271,15 +285,10 @@ class GPTLightningModule(L.LightningModule):
             problems.append(f"model.config.vocab_size={self.config.vocab_size} is smaller than the "
                             f"dataset's tokenizer ({meta.get('tokenizer')}: {meta['vocab_size']}); "
                             f"set model.config.vocab_size={meta['vocab_size']}")
-        if self.hparams.init_from is not None and datamodule is not None:
-            from .hf import init_source
-            from .tokenizer import same_tokenizer
-
-            wanted = init_source(self.hparams.init_from)[1]
-            used = meta.get("tokenizer") or getattr(datamodule, "tokenizer", None)
-            if wanted and used and not same_tokenizer(wanted, used):
-                problems.append(f"data.tokenizer={used!r} but the weights of model.init_from were "
-                                f"trained with {wanted!r}; set --data.tokenizer {wanted}")
+        if datamodule is not None:
+            problem = self.tokenizer_problem(meta.get("tokenizer") or
+                                             getattr(datamodule, "tokenizer", None))
+            problems += [problem] if problem else []
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.block_size:
             problems.append(f"data.seq_len={seq_len} exceeds model.config.block_size="

@@ -203,13 +203,14 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
 
 def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dirs, tmp_path,
                                                                           capsys, monkeypatch):
-    """Weights trained with one tokenizer and data tokenized with another: `fit` stops at setup
-    (before the model is built) with one line naming data.tokenizer and the value that fits,
-    exit status 2, no traceback, no checkpoint. (Following the line trains: run by hand; here it
-    would prepare the corpus a second time.)"""
+    """Weights trained with one tokenizer and data tokenized with another: `fit` stops before it
+    prepares the embedded corpus or builds the model, with one line naming data.tokenizer and the
+    value that fits, exit status 2, no traceback, no checkpoint. (Following the line trains: run
+    by hand; here it would prepare the corpus a second time.)"""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     monkeypatch.chdir(tmp_path)  # whatever Lightning writes by default lands here
+    monkeypatch.setenv("FP8L_CACHE", str(tmp_path / "cache"))  # where the corpus would be prepared
     directory = tmp_path / "llama"  # the tiny Llama with a tokenizer of its own (not GPT-2's)
     directory.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -231,6 +232,7 @@ def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dir
             f"'{directory.resolve()}'; set --data.tokenizer {directory.resolve()}") in errors[0]
     assert "model.config.vocab_size" not in errors[0]  # the weights fix it: the tokenizer is the fix
     assert "model: weights from" not in err  # stopped before the model was built
+    assert not list((tmp_path / "cache").glob("*/meta.json"))  # nor a minute preparing the corpus
     assert not list(run.rglob("*.ckpt"))
 
 
