@@ -97,3 +97,26 @@ def test_fp8_layers_auto_times_the_shapes_and_keeps_the_slow_ones_bf16(tokens, c
     print(f"\n[fp8_layers=auto] kept BF16: {measured or 'none'}")
     losses = train(model, plugin, tokens, 5)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_path, tokens):
+    """The torchao engine through the Trainer: a run resumed at step 20 continues the
+    uninterrupted curve (the same batch every step, so only the training state matters; the
+    embedding's atomic adds make no two runs bitwise equal), its checkpoint is plain tensors with
+    no scaling state, and it trains on in TE FP8 delayed."""
+    from tests.test_gpu import fit
+
+    _, straight = fit(tmp_path / "a", tokens, 40, FP8Precision(recipe="tensorwise"))
+    trainer, _ = fit(tmp_path / "b", tokens, 20, FP8Precision(recipe="tensorwise"))
+    assert trainer.precision_plugin.engine.name == "torchao"
+    ckpt = torch.load(tmp_path / "b" / "step20.ckpt", weights_only=True)  # no pickle anywhere
+    assert not (ckpt.get("FP8Precision") or {}).get("scaling")  # scales come from each tensor
+    resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(recipe="tensorwise"),
+                                   ckpt_path=tmp_path / "b" / "step20.ckpt")
+    assert resumed_trainer.precision_plugin.fp8_active
+    for step in (21, 30, 40):
+        assert abs(resumed[step] - straight[step]) < 1e-2, (step, resumed[step], straight[step])
+    te_trainer, te_losses = fit(tmp_path / "te", tokens, 30, FP8Precision(), backend="te",
+                                ckpt_path=tmp_path / "b" / "step20.ckpt")
+    assert te_trainer.precision_plugin.fp8_active and te_trainer.precision_plugin.engine.name == "te"
+    assert abs(te_losses[21] - straight[21]) < 0.05, (te_losses[21], straight[21])
