@@ -182,7 +182,7 @@ class FP8LightningCLI(LightningCLI):
         # in the module's setup after it. (A prepared dataset's tokenizer is checked at setup.)
         data, model = self.datamodule, self.model
         if isinstance(data, TokenShardDataModule) and not data.data_dir and \
-                hasattr(model, "tokenizer_problem"):
+                isinstance(model, GPTLightningModule):
             problem = model.tokenizer_problem(data.tokenizer)
             if problem:
                 raise ConfigError([problem], "model/data")

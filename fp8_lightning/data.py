@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -33,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .checkpoint import CheckpointError, publish_directory
 from .config import ConfigError, check_micro_batch
 from .documents import _tokenize_split, iter_documents
-from .tokenizer import ASSETS, get_tokenizer
+from .tokenizer import ASSETS, get_tokenizer, tokenizer_key
 
 log = logging.getLogger(__name__)
 
@@ -371,15 +370,14 @@ class TokenShardDataModule(L.LightningDataModule):
         self._train_loader: Any = None
         self._resume: Optional[dict[str, Any]] = None  # our state from the checkpoint, to verify
 
-    @property
+    @functools.cached_property  # (hashes the tokenizer's files: once, not at every use)
     def dataset_dir(self) -> str:
         if self.data_dir:
             return self.data_dir.rstrip("/")
         tok = "gpt2"
         if self.tokenizer != "gpt2":  # by content: two tokenizer.json files are two caches
-            path = Path(self.tokenizer)
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "?"
-            tok = f"{path.stem}-{digest}"
+            key = tokenizer_key(self.tokenizer)  # (no file there: get_tokenizer says so later)
+            tok = f"{Path(self.tokenizer).stem}-{key[7:19] if key.startswith('sha256:') else '?'}"
         return str(self.cache_dir / f"tinyshakespeare-{tok}-s{self.seq_len}")
 
     @property

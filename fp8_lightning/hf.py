@@ -28,9 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, GPTConfig
-
-GPT2_VOCAB = 50257  # GPT-2's BPE: the tokenizer a checkpoint that records none was trained with
+from .config import PRESETS, ConfigError, GPTConfig
 
 # config.json keys -> GPTConfig fields, per architecture (model_type).
 GPT2_KEYS = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer",
@@ -503,7 +501,7 @@ def checkpoint_to_hf(checkpoint: str, output: str, tokenizer: Optional[str] = No
     tokenizer = tokenizer or (ckpt.get("fp8_lightning") or {}).get("tokenizer") or \
         (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
     note = "tokenizer"
-    if tokenizer is None and config.vocab_size == GPT2_VOCAB:
+    if tokenizer is None and config.vocab_size == PRESETS["gpt2"]["vocab_size"]:
         tokenizer = "gpt2"  # an old or hand-made checkpoint with GPT-2's vocabulary
     elif tokenizer is None:  # guessing GPT-2's would decode another vocabulary as garbage
         note = (f"no tokenizer: the checkpoint records none and its vocabulary "

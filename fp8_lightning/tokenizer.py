@@ -143,23 +143,30 @@ def tokenizer_of(directory: str | Path) -> Optional[str]:
     return "gpt2" if found == _gpt2_bpe() else str(path)
 
 
-def same_tokenizer(a: str, b: str) -> bool:
-    """Do two tokenizer names (``gpt2``, a tokenizer.json, a model directory) mean the same one?
-    By content: GPT-2's BPE wherever it lies is ``gpt2``, other files compare by their bytes
-    (the same tokenizer.json copied elsewhere is the same tokenizer)."""
-    def key(name: str) -> str:
-        if name == "gpt2":
-            return name
-        path = Path(name).expanduser().resolve()
-        if path.name == "tokenizer.json":
-            path = path.parent
-        if path.is_dir() and tokenizer_of(path) == "gpt2":
-            return "gpt2"
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if file.is_file():
-            return "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
+def tokenizer_key(name: str) -> str:
+    """What a tokenizer name (``gpt2``, a tokenizer.json, a model directory) means, by content:
+    ``gpt2`` for GPT-2's BPE wherever it lies, else ``sha256:<digest>`` of its files (a copy
+    elsewhere is the same tokenizer), else the resolved path (no tokenizer file there)."""
+    if name == "gpt2":
+        return name
+    path = Path(name).expanduser().resolve()
+    directory = path if path.is_dir() else path.parent if path.name == "tokenizer.json" else None
+    if directory is not None and tokenizer_of(directory) == "gpt2":
+        return "gpt2"
+    if path.is_file():
+        files = [path]
+    elif (path / "tokenizer.json").is_file():
+        files = [path / "tokenizer.json"]
+    else:
+        files = [path / n for n in ("vocab.json", "merges.txt") if (path / n).is_file()]
+    if not files:
         return str(path)
-    return key(a) == key(b)
+    return "sha256:" + hashlib.sha256("".join(sha256(f) for f in files).encode()).hexdigest()
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Do two tokenizer names mean the same tokenizer (:func:`tokenizer_key`)?"""
+    return tokenizer_key(a) == tokenizer_key(b)
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,14 +11,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fp8_lightning.compare import VAL_LOSS, _last, read_run
+from fp8_lightning.compare import read_run, summary
 
 
 def main(out: str) -> None:
     finals: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for run_dir in sorted(Path(out).glob("tb-*-s*")):
         recipe, seed = re.fullmatch(r"tb-(.+)-s(\d+)", run_dir.name).groups()
-        value = _last(read_run(str(run_dir)), VAL_LOSS)
+        value = summary([read_run(str(run_dir))])[0]["final val loss"]
         if value is not None:
             finals[recipe].append((seed, value))
     base = statistics.mean(v for _, v in finals["bf16"]) if finals.get("bf16") else None

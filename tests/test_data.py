@@ -374,3 +374,20 @@ def test_datamodule_refuses_a_split_smaller_than_one_micro_batch(dataset):
     dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=9, num_workers=1)
     dm.setup("fit")  # one full batch of each: accepted
     assert sum(1 for _ in dm.val_dataloader()) == 1
+
+
+def test_embedded_corpus_cache_is_keyed_by_the_tokenizers_content(tmp_path):
+    """A tokenizer file or directory names its cache by content: two tokenizers with the same
+    name never share one, a copy of the same tokenizer.json does."""
+    def cache(tokenizer):
+        return TokenShardDataModule(tokenizer=str(tokenizer), seq_len=64, batch_size=4,
+                                    cache_dir=str(tmp_path / "cache")).dataset_dir
+
+    for folder, vocab in (("one", "x"), ("two", "y"), ("three", "x")):
+        (tmp_path / folder / "tok").mkdir(parents=True)
+        (tmp_path / folder / "tok" / "tokenizer.json").write_text('{"model": {"vocab": {"%s": 0}}}' % vocab)
+    one, two, three = (tmp_path / f / "tok" for f in ("one", "two", "three"))
+    assert cache(one) != cache(two)  # same directory name, other tokenizer.json: two caches
+    assert cache(one / "tokenizer.json") != cache(two / "tokenizer.json")
+    assert cache(one) == cache(three)  # the same tokenizer.json elsewhere: the same cache
+    assert cache("gpt2").endswith("tinyshakespeare-gpt2-s64")
