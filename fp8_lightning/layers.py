@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .te_support import te_module
@@ -110,9 +111,11 @@ class TorchLayerNormMLP(_NoExtraState, _Gemms, nn.Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, *, bias: bool, norm: str, eps: float,
-                 activation: str, init_method: InitFn, output_layer_init_method: InitFn) -> None:
+                 activation: str, init_method: InitFn, output_layer_init_method: InitFn,
+                 checkpoint: bool = False) -> None:
         super().__init__()
         self.kind, self.eps, self.activation = norm, eps, activation
+        self.checkpoint = checkpoint  # TE's name: recompute the MLP's activations in backward
         fc1_out = 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden))
         self.layer_norm_bias = nn.Parameter(torch.zeros(hidden)) if norm == "layernorm" else None
@@ -122,6 +125,13 @@ class TorchLayerNormMLP(_NoExtraState, _Gemms, nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            # Keeps only x; TE's LayerNormMLP(checkpoint=True) also skips fc2 on the recompute,
+            # this reference recomputes it (one GEMM more, the same memory).
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _norm(x, self.layer_norm_weight, self.layer_norm_bias, self.kind, self.eps)
         h = self.linear(x, self.fc1_weight, self.fc1_bias)
         if self.activation == "swiglu":
@@ -194,17 +204,21 @@ class LayerFactory:
                                        init_method=init_method, **self._te_kwargs())
 
     def norm_mlp(self, hidden: int, ffn_hidden: int, *, bias: bool, norm: str, eps: float,
-                 activation: str, init_method: InitFn,
-                 output_layer_init_method: InitFn) -> nn.Module:
+                 activation: str, init_method: InitFn, output_layer_init_method: InitFn,
+                 checkpoint: bool = False) -> nn.Module:
+        """``checkpoint``: selective activation checkpointing, the MLP's norm output, fc1 output
+        and activation recomputed in the backward instead of kept (TE's own option)."""
         if self.te is None:
             return TorchLayerNormMLP(hidden, ffn_hidden, bias=bias, norm=norm, eps=eps,
                                      activation=activation, init_method=init_method,
-                                     output_layer_init_method=output_layer_init_method)
+                                     output_layer_init_method=output_layer_init_method,
+                                     checkpoint=checkpoint)
         return self.te.LayerNormMLP(hidden, ffn_hidden, eps=eps, bias=bias,
                                     normalization=self._te_norm_name(norm), activation=activation,
                                     init_method=init_method,
                                     output_layer_init_method=output_layer_init_method,
-                                    **self._te_kwargs())
+                                    checkpoint=checkpoint, **self._te_kwargs())
+
 
     def core_attention(self, n_head: int, n_kv_heads: int, head_dim: int) -> nn.Module:
         if self.attention == "sdpa":
@@ -212,6 +226,17 @@ class LayerFactory:
         return self.te.DotProductAttention(num_attention_heads=n_head, kv_channels=head_dim,
                                            num_gqa_groups=n_kv_heads, attention_dropout=0.0,
                                            attn_mask_type="causal", qkv_format="bshd")
+
+
+def checkpoint(backend: str, function: Callable[..., torch.Tensor], *args: torch.Tensor
+               ) -> torch.Tensor:
+    """``function(*args)`` keeping only ``args`` for the backward, which recomputes the rest:
+    full activation checkpointing. On TE, ``te.checkpoint``: its recompute runs with the
+    forward's FP8 scales and does not update the amax history a second time. Non-reentrant
+    (autograd's saved-tensor hooks): what FSDP2 and torch.compile support."""
+    if backend == "te":
+        return te_module().checkpoint(function, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def residual_std(n_layer: int) -> float:

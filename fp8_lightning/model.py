@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .layers import LayerFactory, SDPAttention, TorchNorm, normal_init, residual_std
+from .layers import LayerFactory, SDPAttention, TorchNorm, checkpoint, normal_init, residual_std
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "mlp")
 
 # Parameter names (shared by both backends) of the residual-stream output projections, which
 # GPT-2 initialises with std 0.02 / sqrt(2 * n_layer).
@@ -53,7 +55,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: GPTConfig, layers: LayerFactory, recompute_mlp: bool = False
+                 ) -> None:
         super().__init__()
         c = config
         self.n_head, self.n_kv_heads, self.head_dim = c.n_head, c.n_kv_heads, c.head_dim
@@ -67,7 +70,7 @@ class Block(nn.Module):
         self.proj = layers.linear(c.n_embd, c.n_embd, bias=c.bias, init_method=out_init)
         self.mlp = layers.norm_mlp(c.n_embd, c.ffn_hidden, bias=c.bias, norm=c.norm,
                                    eps=c.norm_eps, activation=c.activation, init_method=init,
-                                   output_layer_init_method=out_init)
+                                   output_layer_init_method=out_init, checkpoint=recompute_mlp)
 
     def heads(self, h: torch.Tensor, *rope: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,13 +106,30 @@ class GPT(nn.Module):
         config: the model shape (see :class:`GPTConfig`).
         backend: ``"torch"`` (plain PyTorch, runs anywhere) or ``"te"`` (TransformerEngine).
         attention: ``"sdpa"`` or ``"te"`` (``te.DotProductAttention``, TE backend only).
+        activation_checkpointing: ``"none"``; ``"full"`` (a checkpointed block keeps only its
+            input and recomputes its forward in the backward); ``"mlp"`` (selective: only the
+            MLP's norm, fc1 output and activation are recomputed, the largest activations of a
+            block for the least recompute).
+        activation_checkpointing_every: checkpoint one block in every N (the first of each N),
+            1 = all.
     """
 
-    def __init__(self, config: GPTConfig, backend: str = "torch", attention: str = "sdpa") -> None:
+    def __init__(self, config: GPTConfig, backend: str = "torch", attention: str = "sdpa",
+                 activation_checkpointing: str = "none", activation_checkpointing_every: int = 1
+                 ) -> None:
         super().__init__()
         self.config, self.backend = config, backend
         c = config
         self.fp32_residual = c.fp32_residual if c.fp32_residual is not None else backend == "torch"
+        every = activation_checkpointing_every
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING or every < 1:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r}, "
+                             f"activation_checkpointing_every={every}; valid: "
+                             f"{', '.join(ACTIVATION_CHECKPOINTING)} and every >= 1")
+        picked = [i % every == 0 for i in range(c.n_layer)]
+        # Indices of the blocks whose forward is recomputed in the backward ("full").
+        self.checkpointed = {i for i, on in enumerate(picked)
+                             if on and activation_checkpointing == "full"}
         layers = LayerFactory(backend, attention)
         device = layers.device
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
@@ -119,7 +139,8 @@ class GPT(nn.Module):
             cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        self.blocks = nn.ModuleList(Block(c, layers) for _ in range(c.n_layer))
+        self.blocks = nn.ModuleList(Block(c, layers, on and activation_checkpointing == "mlp")
+                                    for on in picked)
         self.norm_f = layers.norm(c.n_embd, kind=c.norm, eps=c.norm_eps)
         self.lm_head = layers.linear(c.n_embd, c.padded_vocab_size, bias=False,
                                      init_method=normal_init(0.02))
@@ -150,8 +171,11 @@ class GPT(nn.Module):
         in the loss or in sampling.
         """
         x, rope = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, *rope)
+        for i, block in enumerate(self.blocks):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(self.backend, block, x, *rope)
+            else:
+                x = block(x, *rope)
         x = self.norm_f(x)
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         if targets is not None:

@@ -16,7 +16,7 @@ from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor
 from .fp8.plugin import fp8_plugin
-from .model import GPT, compile_model, uncompile_model
+from .model import ACTIVATION_CHECKPOINTING, GPT, compile_model, uncompile_model
 from .te_support import te_status
 
 
@@ -93,6 +93,16 @@ class GPTLightningModule(L.LightningModule):
             on a CPU (compilation costs more than a short CPU run saves) and with several
             processes (not yet verified under DDP/FSDP2). A compilation that fails at the first
             step falls back to eager with the reason.
+        activation_checkpointing: trade compute for memory: ``none``; ``full`` (a checkpointed
+            block keeps only its input and recomputes its forward in the backward: ~1/3 more
+            compute, the least memory); ``mlp`` (selective: the MLP's norm, fc1 output and
+            activation are recomputed, TE's ``LayerNormMLP(checkpoint=True)``: most of a block's
+            activations for less recompute). Correct under FP8 (TE's checkpoint reuses the
+            forward's scales). Turns CUDA graphs off.
+        activation_checkpointing_every: checkpoint one block in every N (1: every block).
+        memory_check: before the first step, estimate the GPU memory the run needs per GPU
+            (:mod:`fp8_lightning.memory`: weights, gradients, AdamW state, activations), log it,
+            and stop with the levers that would make it fit when it exceeds what the GPU has.
         init_from: start from these weights: a Hugging Face GPT-2 or Llama directory
             (config.json + safetensors, read offline) or a checkpoint of this package (its
             weights only; ``--ckpt_path`` resumes a run instead). The model shape comes from it:
@@ -107,6 +117,8 @@ class GPTLightningModule(L.LightningModule):
                  lr_decay_steps: Optional[int] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95),
                  compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
+                 activation_checkpointing: Literal["none", "full", "mlp"] = "none",
+                 activation_checkpointing_every: int = 1, memory_check: bool = True,
                  init_from: Optional[str] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyperparameters
@@ -127,6 +139,12 @@ class GPTLightningModule(L.LightningModule):
             problems.append(f"model.warmup_steps={warmup_steps} must be >= 0")
         if attention not in ("sdpa", "te"):
             problems.append(f"model.attention={attention!r}; valid: sdpa, te")
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            problems.append(f"model.activation_checkpointing={activation_checkpointing!r}; valid: "
+                            + ", ".join(ACTIVATION_CHECKPOINTING))
+        if activation_checkpointing_every < 1:
+            problems.append(f"model.activation_checkpointing_every={activation_checkpointing_every}"
+                            " must be >= 1 (1: every block)")
         if attention == "te" and backend == "torch":
             problems.append("model.attention='te' (te.DotProductAttention) needs model.backend "
                             "te or auto; with backend torch use attention sdpa")
@@ -160,7 +178,14 @@ class GPTLightningModule(L.LightningModule):
         self._follow_fp8_engine()
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
-        self.model = GPT(self.config, backend=self.backend_name, attention=self.attention)
+        hp = self.hparams
+        self.model = GPT(self.config, backend=self.backend_name, attention=self.attention,
+                         activation_checkpointing=hp.activation_checkpointing,
+                         activation_checkpointing_every=hp.activation_checkpointing_every)
+        if hp.activation_checkpointing != "none":
+            blocks = len(range(0, self.config.n_layer, hp.activation_checkpointing_every))
+            rank_zero_info(f"activation checkpointing: {hp.activation_checkpointing}, "
+                           f"{blocks} of {self.config.n_layer} blocks")
         if self.hparams.init_from is not None:
             from .hf import init_weights
 
@@ -228,6 +253,9 @@ class GPTLightningModule(L.LightningModule):
                                        trainer.callbacks if trainer else [])
             if self.backend_name != "te":
                 ok, reason = False, "the PyTorch backend is compiled instead"
+            elif self.hparams.activation_checkpointing != "none":
+                ok, reason = False, ("activation checkpointing recomputes blocks in the backward, "
+                                     "a graph replays a fixed one")
             if wanted and not ok:
                 rank_zero_warn(f"model.cuda_graphs=true but {reason}; running without")
             self._graphs_on = ok and wanted is not False
@@ -412,6 +440,41 @@ class GPTLightningModule(L.LightningModule):
         """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""
         plugin = fp8_plugin(self.trainer)
         return plugin.effective_precision if plugin is not None else str(self.trainer.precision)
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.device.type == "cuda":
+            self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Stop before the first step when the run cannot fit on this GPU (say what would)."""
+        from .distributed import is_sharded
+        from .memory import GIB, RunShape, estimate_memory, fit_problem
+
+        trainer, hp = self.trainer, self.hparams
+        datamodule = getattr(trainer, "datamodule", None)
+        batch_size = getattr(datamodule, "batch_size", None)
+        if not batch_size:
+            return  # a plain DataLoader: the micro-batch is not known before the first batch
+        plugin = fp8_plugin(trainer)
+        run = RunShape(batch_size=batch_size,
+                       seq_len=getattr(datamodule, "seq_len", None) or self.config.block_size,
+                       shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
+                       fp8=bool(plugin and plugin.fp8_active and plugin.engine.name == "te"),
+                       fp32_residual=self.model.fp32_residual,
+                       activation_checkpointing=hp.activation_checkpointing,
+                       activation_checkpointing_every=hp.activation_checkpointing_every)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = free + torch.cuda.memory_reserved(self.device)  # ours counts as available
+        estimate = estimate_memory(self.config, run)
+        rank_zero_info(f"memory: estimated {estimate.describe()} of {budget / GIB:.1f} GiB "
+                       f"on {torch.cuda.get_device_name(self.device)}")
+        problem = fit_problem(self.config, run, budget, trainer.world_size)
+        if problem and hp.memory_check:
+            raise ConfigError([f"{problem} (model.memory_check: false runs it anyway)"],
+                              "run for this GPU")
+        if problem:
+            rank_zero_warn(f"memory: {problem}; running anyway (model.memory_check: false)")
 
     @override
     def on_train_start(self) -> None:

@@ -64,6 +64,23 @@ def test_bench_runs_every_variant_or_says_why(bench_report):
     assert results["fp8-delayed"]["bf16_modules"] == ["lm_head"]
 
 
+@pytest.mark.parametrize("variant,fp8,fp32_residual", [("torch-compile", False, True),
+                                                      ("fp8-delayed-te-attn", True, False)])
+def test_memory_estimate_tracks_the_measured_peak(bench_report, variant, fp8, fp32_residual):
+    """fp8_lightning/memory.py against bench's measured peak of the same step (the estimate is
+    meant to err high: TE keeps fewer activations than it counts)."""
+    from fp8_lightning.config import GPTConfig
+    from fp8_lightning.memory import GIB, RunShape, estimate_memory
+
+    measured = {r["variant"]: r for r in bench_report["results"]}[variant]["peak_mem_gib"]
+    config = GPTConfig.from_name("gpt2", n_layer=SMALL["n_layer"])
+    estimate = estimate_memory(config, RunShape(SMALL["batch_size"], SMALL["seq_len"], fp8=fp8,
+                                                fp32_residual=fp32_residual)).total / GIB
+    print(f"\n[memory] {variant}: estimate {estimate:.2f} GiB, measured {measured:.2f} GiB "
+          f"({estimate / measured:.2f}x)")
+    assert 0.8 < estimate / measured < 1.4, (estimate, measured)
+
+
 def test_bench_cli_on_gpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(

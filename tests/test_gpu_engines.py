@@ -114,8 +114,12 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
     resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(recipe="tensorwise"),
                                    ckpt_path=tmp_path / "b" / "step20.ckpt")
     assert resumed_trainer.precision_plugin.fp8_active
-    for step in (21, 30, 40):
-        assert abs(resumed[step] - straight[step]) < 1e-2, (step, resumed[step], straight[step])
+    # The first resumed step checks the restored state (a lost optimizer state, schedule or scale
+    # shows there at once). Later steps drift: on an H100 two compiled runs' atomic adds left
+    # step 40 0.0127 apart (session 10), so the later bound is the drift's, not the state's.
+    assert abs(resumed[21] - straight[21]) < 1e-2, (resumed[21], straight[21])
+    for step in (30, 40):
+        assert abs(resumed[step] - straight[step]) < 3e-2, (step, resumed[step], straight[step])
     te_trainer, te_losses = fit(tmp_path / "te", tokens, 30, FP8Precision(), backend="te",
                                 ckpt_path=tmp_path / "b" / "step20.ckpt")
     assert te_trainer.precision_plugin.fp8_active and te_trainer.precision_plugin.engine.name == "te"

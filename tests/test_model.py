@@ -199,3 +199,50 @@ def test_residual_stream_dtype_follows_fp32_residual():
         seen[fp32] = (x.dtype, dtypes[0])
         assert model.embed(idx)[0].dtype == torch.float32  # no autocast: the weights' dtype
     assert seen == {None: (torch.float32, torch.float32), False: (torch.bfloat16, torch.bfloat16)}
+
+
+# ------------------------------------------------------------------ activation checkpointing
+def _loss_and_grads(config: GPTConfig, idx: torch.Tensor, **checkpointing):
+    torch.manual_seed(0)
+    model = GPT(config, **checkpointing)
+    saved = []  # bytes autograd keeps for the backward during this forward
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, idx)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, sum(saved)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("mode,every", [("full", 1), ("full", 2), ("mlp", 1), ("mlp", 2)])
+def test_activation_checkpointing_gives_the_same_gradients_and_keeps_less(name, mode, every):
+    config = GPTConfig.from_name(name, n_layer=4)
+    idx = torch.randint(0, config.vocab_size, (2, 32))
+    loss, grads, kept = _loss_and_grads(config, idx)
+    ckpt_loss, ckpt_grads, ckpt_kept = _loss_and_grads(
+        config, idx, activation_checkpointing=mode, activation_checkpointing_every=every)
+    assert ckpt_loss == loss
+    for n, g in grads.items():
+        torch.testing.assert_close(ckpt_grads[n], g, rtol=0, atol=0, msg=n)
+    assert ckpt_kept < kept, (mode, every, ckpt_kept, kept)
+
+
+def test_full_checkpointing_keeps_less_than_mlp_and_every_block_less_than_every_other():
+    config = GPTConfig.from_name("tiny-llama", n_layer=4)
+    idx = torch.randint(0, config.vocab_size, (2, 32))
+    kept = {(mode, every): _loss_and_grads(config, idx, activation_checkpointing=mode,
+                                           activation_checkpointing_every=every)[2]
+            for mode, every in [("full", 1), ("full", 2), ("mlp", 1)]}
+    assert kept["full", 1] < kept["full", 2] and kept["full", 1] < kept["mlp", 1], kept
+
+
+def test_activation_checkpointing_is_validated():
+    with pytest.raises(ValueError, match="activation_checkpointing='some'"):
+        GPT(GPTConfig.from_name("tiny"), activation_checkpointing="some")
+    with pytest.raises(ValueError, match="activation_checkpointing_every=0"):
+        GPT(GPTConfig.from_name("tiny"), activation_checkpointing="full",
+            activation_checkpointing_every=0)

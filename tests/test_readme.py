@@ -294,6 +294,37 @@ def test_checkpoint_is_the_last_callback_of_every_config(config, capsys, at_root
     assert "every_n_train_steps: 123" in out
 
 
+@pytest.mark.parametrize("config", ["llama3_8b_fp8.yaml", "llama3_8b_bf16.yaml"])
+def test_the_8b_configs_parse_and_build_the_full_model_on_the_meta_device(config, capsys, at_root):
+    """Llama-3-8B at full depth on two GPUs with FSDP2: the config as written, built without
+    memory (the meta device), and its memory estimate fits two 141 GB H200s."""
+    import yaml
+
+    from fp8_lightning.config import GPTConfig
+    from fp8_lightning.memory import GIB, RunShape, estimate_memory
+    from fp8_lightning.module import GPTLightningModule
+
+    code, out, err = run_main(capsys, ["fit", "--config", f"configs/{config}", "--print_config"])
+    assert code == 0, err[-3000:]
+    printed = yaml.safe_load(out)
+    trainer, model, data = printed["trainer"], printed["model"], printed["data"]
+    assert trainer["devices"] == 2 and trainer["strategy"]["class_path"].endswith("FSDP2Strategy")
+    assert trainer["val_check_interval"] and trainer["limit_val_batches"]  # evaluation on
+    assert model["compile"] is True
+    module = GPTLightningModule(config=GPTConfig(**model["config"]), backend="torch",
+                                activation_checkpointing=model["activation_checkpointing"])
+    with torch.device("meta"):
+        module.configure_model()
+    config_8b = module.config
+    assert (config_8b.n_layer, config_8b.n_embd, config_8b.ffn_hidden, config_8b.n_head,
+            config_8b.n_kv_heads) == (32, 4096, 14336, 32, 8)
+    assert 8.0e9 < sum(p.numel() for p in module.model.parameters()) < 8.1e9
+    assert config_8b.block_size == 8192  # data.seq_len follows it
+    run = RunShape(data["batch_size"], config_8b.block_size, shards=2, fp8="fp8" in config,
+                   fp32_residual="bf16" in config)
+    assert estimate_memory(config_8b, run).total < 131 * GIB  # an H200's 141 GB
+
+
 def test_quickstart_fp8_vs_bf16_comparison(tmp_path, capsys):
     """The README's CPU comparison, as written, shortened to 3 small steps."""
     quick = [a for a in fp8_lightning_commands("fit") if any(x.startswith("runs/quick_") for x in a)]

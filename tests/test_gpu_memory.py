@@ -1,0 +1,76 @@
+"""GPU tests of the memory levers (`pytest -m gpu -s`): activation checkpointing under TE FP8,
+and a run too large for the GPU stopping before its first step."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.model import GPT
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+# Wide and deep enough that the blocks' activations, not the logits, are most of the peak.
+SHAPE = dict(n_layer=8, n_head=8, n_embd=512, ffn_hidden=2048, block_size=512)
+
+
+def fp8_run(steps=20, **checkpointing):
+    """TE FP8 delayed on one fixed batch: the losses and the step's peak memory above the model."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("gpt2", **SHAPE), backend="te", **checkpointing).cuda()
+    plugin = FP8Precision(recipe="delayed")
+    plugin.convert_module(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batch = torch.randint(0, 50257, (8, 513), generator=torch.Generator().manual_seed(0)).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    losses = []
+    for _ in range(steps):
+        with plugin.train_step_context():
+            loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert plugin.fp8_active
+    return losses, (torch.cuda.max_memory_allocated() - start) / 2**20
+
+
+@pytest.fixture(scope="module")
+def no_checkpointing():
+    return fp8_run()
+
+
+@pytest.mark.parametrize("mode", ["full", "mlp"])
+def test_activation_checkpointing_under_fp8_matches_and_keeps_less(mode, no_checkpointing):
+    """te.checkpoint's recompute reuses the forward's FP8 scales and leaves the amax history
+    alone, so the run follows the uncheckpointed one (only atomic-add noise) with less memory."""
+    losses, peak = no_checkpointing
+    ckpt_losses, ckpt_peak = fp8_run(activation_checkpointing=mode)
+    print(f"\n[activation checkpointing {mode}] peak {peak:.0f} -> {ckpt_peak:.0f} MiB; "
+          f"final loss {losses[-1]:.4f} vs {ckpt_losses[-1]:.4f}")
+    assert losses[-1] < losses[0] - 1.0  # it trains
+    for step in (0, 1, 9, 19):
+        assert abs(ckpt_losses[step] - losses[step]) < 2e-2, (step, ckpt_losses[step], losses[step])
+    assert ckpt_peak < 0.9 * peak, (ckpt_peak, peak)
+
+
+def test_a_run_too_large_for_the_gpu_stops_before_its_first_step(tmp_path):
+    """GPT-2 XL at 64 x 1024 needs ~200 GB: one error line with the levers, exit 2, no step."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/gpt2_fp8.yaml",
+         "--model.config.name", "gpt2-xl", "--data.batch_size", "64", "--trainer.max_steps", "2",
+         "--trainer.default_root_dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    print("\n" + "\n".join(errors))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "GiB per GPU" in errors[0] and "levers:" in errors[0], errors
+    assert "Traceback" not in proc.stderr and "OutOfMemory" not in proc.stderr
+    assert not list(tmp_path.rglob("*.ckpt"))

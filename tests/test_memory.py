@@ -1,0 +1,58 @@
+"""The memory estimate (fp8_lightning/memory.py): what it counts, and what it says when a run
+does not fit. Its agreement with measured peaks is a GPU test (test_gpu_bench.py)."""
+
+import pytest
+
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.memory import GIB, RunShape, estimate_memory, fit_problem, num_params
+from fp8_lightning.model import GPT
+
+
+@pytest.mark.parametrize("name,overrides", [("tiny", {}), ("tiny-llama", {}),
+                                            ("tiny", {"tie_embeddings": False}),
+                                            ("tiny-llama", {"bias": True, "qk_norm": False})])
+def test_parameter_count_is_the_models(name, overrides):
+    config = GPTConfig.from_name(name, **overrides)
+    assert num_params(config) == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_training_state_is_16_bytes_a_parameter_and_shards_split_it():
+    config = GPTConfig.from_name("llama3-8b")
+    p = num_params(config)
+    one = estimate_memory(config, RunShape(batch_size=1, seq_len=8192))
+    assert (one.gradients, one.optimizer) == (4 * p, 8 * p)
+    assert one.weights == 4 * p + 2 * p  # fp32 masters + the step's BF16/FP8 working copies
+    two = estimate_memory(config, RunShape(batch_size=1, seq_len=8192, shards=2))
+    assert (two.gradients, two.optimizer) == (2 * p, 4 * p)
+    assert two.activations == one.activations  # FSDP2 shards state, not a micro-batch
+
+
+def test_activations_scale_with_tokens_and_shrink_with_fp8_and_checkpointing():
+    config = GPTConfig.from_name("gpt2")
+    act = {}
+    for key, run in {"base": RunShape(8, 1024), "double": RunShape(16, 1024),
+                     "fp8": RunShape(8, 1024, fp8=True),
+                     "mlp": RunShape(8, 1024, activation_checkpointing="mlp"),
+                     "full/2": RunShape(8, 1024, activation_checkpointing="full",
+                                        activation_checkpointing_every=2),
+                     "full": RunShape(8, 1024, activation_checkpointing="full")}.items():
+        act[key] = estimate_memory(config, run).activations
+    assert act["double"] == 2 * act["base"]
+    assert act["full"] < act["full/2"] < act["base"]
+    assert act["full"] < act["mlp"] < act["base"] and act["fp8"] < act["base"]
+
+
+def test_a_run_that_fits_has_no_problem_and_one_that_does_not_gets_checked_levers():
+    config = GPTConfig.from_name("llama3-8b")
+    run = RunShape(batch_size=1, seq_len=8192, fp8=True)
+    assert fit_problem(config, run, 10_000 * GIB) is None
+    problem = fit_problem(config, run, 80 * GIB)
+    total = estimate_memory(config, run).total / GIB
+    assert f"needs about {total:.1f} GiB per GPU" in problem and "80.0 GiB is free" in problem
+    # 8B on one 80 GB GPU: states alone are 16 B x 8.0B; activation checkpointing cannot help,
+    # sharding over two GPUs can, and each lever says which.
+    assert "model.activation_checkpointing: full ->" in problem
+    lever = problem.split("model.activation_checkpointing: full -> ")[1].split(";")[0]
+    assert lever.endswith("(not enough)")
+    fsdp = problem.split("FSDP2 over 2 GPUs")[1]
+    assert "(not enough)" not in fsdp.split(";")[0]
