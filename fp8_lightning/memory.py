@@ -130,7 +130,9 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
     if run.batch_size > 1:
         levers.append((f"data.batch_size: {run.batch_size // 2}",
                        replace(run, batch_size=run.batch_size // 2)))
-    more = max(2, run.shards * 2, gpus)
+    more = max(2, run.shards * 2, gpus)  # the fewest GPUs (doubling, to 64) that would do
+    while more < 64 and estimate_memory(config, replace(run, shards=more)).total > budget:
+        more *= 2
     levers.append((f"FSDP2 over {more} GPUs (--config configs/fsdp.yaml, trainer.devices: {more})",
                    replace(run, shards=more)))
     said = []

@@ -178,6 +178,7 @@ class GPTLightningModule(L.LightningModule):
         self._follow_fp8_engine()
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
+        self._check_memory()
         hp = self.hparams
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention,
                          activation_checkpointing=hp.activation_checkpointing,
@@ -192,6 +193,40 @@ class GPTLightningModule(L.LightningModule):
             init_weights(self.model, self.hparams.init_from)
             rank_zero_info(f"model: weights from {self.hparams.init_from}")
         self._compile()
+
+    def _check_memory(self) -> None:
+        """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
+        stop with the levers that would make it fit when it cannot (``model.memory_check``)."""
+        trainer = self._trainer
+        device = trainer.strategy.root_device if trainer is not None else None
+        datamodule = getattr(trainer, "datamodule", None)
+        batch_size = getattr(datamodule, "batch_size", None)
+        if device is None or device.type != "cuda" or not batch_size or not trainer.training:
+            return  # a plain DataLoader's micro-batch is not known before its first batch
+        from .distributed import is_sharded
+        from .memory import GIB, RunShape, estimate_memory, fit_problem
+
+        hp, c = self.hparams, self.config
+        plugin = fp8_plugin(trainer)
+        run = RunShape(batch_size=batch_size,
+                       seq_len=getattr(datamodule, "seq_len", None) or c.block_size,
+                       shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
+                       fp8=plugin is not None and self.backend_name == "te",
+                       fp32_residual=(c.fp32_residual if c.fp32_residual is not None
+                                      else self.backend_name == "torch"),
+                       activation_checkpointing=hp.activation_checkpointing,
+                       activation_checkpointing_every=hp.activation_checkpointing_every)
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free + torch.cuda.memory_reserved(device)  # what this process holds is ours
+        rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
+                       f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
+                       "(fp8_lightning/memory.py)")
+        problem = fit_problem(c, run, budget, trainer.world_size)
+        if problem and hp.memory_check:
+            raise ConfigError([f"{problem} (model.memory_check: false runs it anyway)"],
+                              "run for this GPU")
+        if problem:
+            rank_zero_warn(f"memory: {problem}; running anyway (model.memory_check: false)")
 
     def _follow_fp8_engine(self) -> None:
         """``model.backend: auto`` builds the layers the FP8 plugin's engine converts (TE's, or the
@@ -440,41 +475,6 @@ class GPTLightningModule(L.LightningModule):
         """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""
         plugin = fp8_plugin(self.trainer)
         return plugin.effective_precision if plugin is not None else str(self.trainer.precision)
-
-    @override
-    def on_fit_start(self) -> None:
-        if self.device.type == "cuda":
-            self._check_memory()
-
-    def _check_memory(self) -> None:
-        """Stop before the first step when the run cannot fit on this GPU (say what would)."""
-        from .distributed import is_sharded
-        from .memory import GIB, RunShape, estimate_memory, fit_problem
-
-        trainer, hp = self.trainer, self.hparams
-        datamodule = getattr(trainer, "datamodule", None)
-        batch_size = getattr(datamodule, "batch_size", None)
-        if not batch_size:
-            return  # a plain DataLoader: the micro-batch is not known before the first batch
-        plugin = fp8_plugin(trainer)
-        run = RunShape(batch_size=batch_size,
-                       seq_len=getattr(datamodule, "seq_len", None) or self.config.block_size,
-                       shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
-                       fp8=bool(plugin and plugin.fp8_active and plugin.engine.name == "te"),
-                       fp32_residual=self.model.fp32_residual,
-                       activation_checkpointing=hp.activation_checkpointing,
-                       activation_checkpointing_every=hp.activation_checkpointing_every)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget = free + torch.cuda.memory_reserved(self.device)  # ours counts as available
-        estimate = estimate_memory(self.config, run)
-        rank_zero_info(f"memory: estimated {estimate.describe()} of {budget / GIB:.1f} GiB "
-                       f"on {torch.cuda.get_device_name(self.device)}")
-        problem = fit_problem(self.config, run, budget, trainer.world_size)
-        if problem and hp.memory_check:
-            raise ConfigError([f"{problem} (model.memory_check: false runs it anyway)"],
-                              "run for this GPU")
-        if problem:
-            rank_zero_warn(f"memory: {problem}; running anyway (model.memory_check: false)")
 
     @override
     def on_train_start(self) -> None:

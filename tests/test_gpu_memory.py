@@ -15,23 +15,26 @@ from fp8_lightning.model import GPT
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[1]
-# Wide and deep enough that the blocks' activations, not the logits, are most of the peak.
-SHAPE = dict(n_layer=8, n_head=8, n_embd=512, ffn_hidden=2048, block_size=512)
+# Wide and deep enough, with a small vocabulary, that the blocks' activations (not the logits)
+# are most of what a step allocates.
+SHAPE = dict(n_layer=8, n_head=8, n_embd=512, ffn_hidden=2048, block_size=512, vocab_size=1024)
 
 
 def fp8_run(steps=20, **checkpointing):
-    """TE FP8 delayed on one fixed batch: the losses and the step's peak memory above the model."""
+    """TE FP8 delayed on one fixed batch: the losses, and the peak a step allocates above the
+    weights and the optimizer state (measured over the steps after the first)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name("gpt2", **SHAPE), backend="te", **checkpointing).cuda()
     plugin = FP8Precision(recipe="delayed")
     plugin.convert_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    batch = torch.randint(0, 50257, (8, 513), generator=torch.Generator().manual_seed(0)).cuda()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
+    batch = torch.randint(0, 1024, (8, 513), generator=torch.Generator().manual_seed(0)).cuda()
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == 1:  # AdamW's state exists now
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
         with plugin.train_step_context():
             loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -58,14 +61,17 @@ def test_activation_checkpointing_under_fp8_matches_and_keeps_less(mode, no_chec
     assert losses[-1] < losses[0] - 1.0  # it trains
     for step in (0, 1, 9, 19):
         assert abs(ckpt_losses[step] - losses[step]) < 2e-2, (step, ckpt_losses[step], losses[step])
-    assert ckpt_peak < 0.9 * peak, (ckpt_peak, peak)
+    assert ckpt_peak < (0.5 if mode == "full" else 0.85) * peak, (ckpt_peak, peak)
 
 
 def test_a_run_too_large_for_the_gpu_stops_before_its_first_step(tmp_path):
-    """GPT-2 XL at 64 x 1024 needs ~200 GB: one error line with the levers, exit 2, no step."""
+    """Llama-3 at 48 layers (12B parameters: 190 GB of training state before activations) on
+    one GPU: one error line with the levers, exit 2, no step. (One sequence of 8192 and one
+    loader worker: what the embedded corpus's validation split holds.)"""
     proc = subprocess.run(
         [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/gpt2_fp8.yaml",
-         "--model.config.name", "gpt2-xl", "--data.batch_size", "64", "--trainer.max_steps", "2",
+         "--model.config.name", "llama3-8b", "--model.config.n_layer", "48",
+         "--data.batch_size", "1", "--data.num_workers", "1", "--trainer.max_steps", "2",
          "--trainer.default_root_dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

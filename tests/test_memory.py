@@ -56,3 +56,6 @@ def test_a_run_that_fits_has_no_problem_and_one_that_does_not_gets_checked_lever
     assert lever.endswith("(not enough)")
     fsdp = problem.split("FSDP2 over 2 GPUs")[1]
     assert "(not enough)" not in fsdp.split(";")[0]
+    # 12B on 80 GB: two GPUs are not enough, the lever names the fewest that are.
+    problem = fit_problem(GPTConfig.from_name("llama3-8b", n_layer=48), run, 80 * GIB)
+    assert "FSDP2 over 4 GPUs" in problem and "FSDP2 over 2 GPUs" not in problem
