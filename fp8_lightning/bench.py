@@ -10,7 +10,8 @@ a step whose host time is near its GPU time is host-bound.
 FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are against the baseline
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
-Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograph]``:
+Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograph][-fp32res|-bf16res]
+[-ac-full|-ac-mlp]``:
 
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
   ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
@@ -26,6 +27,10 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
 * ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
   delayed and current only); ``-fp8-head``: the LM head in FP8 (``fp8_lm_head``).
+* ``-fp32res`` / ``-bf16res``: the residual stream in float32 / in BF16 (``fp32_residual``;
+  unset, each backend's default: float32 on the PyTorch backend, BF16 on TE).
+* ``-ac-full`` / ``-ac-mlp``: activation checkpointing of every block / of every MLP
+  (``model.activation_checkpointing``): the memory it saves and the time it costs.
 
 All variants keep fp32 master weights (``bf16-mixed``), whatever the config's ``weights``.
 """
@@ -42,7 +47,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -68,7 +73,8 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
     "te-bf16": ("te", None, True),
     **{f"fp8-{r}": (BACKEND[recipe.engine], r, True) for r, recipe in RECIPES.items()},
 }
-SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph")
+SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph", "-fp32res",
+            "-bf16res", "-ac-full", "-ac-mlp")
 
 
 def method(device: torch.device) -> str:
@@ -179,6 +185,8 @@ class Variant:
     graphs: bool = False
     fp8_attention: bool = False
     fp8_head: bool = False
+    fp32_residual: Optional[bool] = None  # None: the backend's default
+    activation_checkpointing: str = "none"
 
 
 def parse_variant(name: str) -> Variant:
@@ -204,12 +212,17 @@ def parse_variant(name: str) -> Variant:
         for flag in ("-eager", "-nograph"):
             if flag in flags and backend != "te":
                 problems.append(f"variant {name!r}: {flag} needs a TE variant (te-bf16, fp8-*)")
+        for pair in (("-fp32res", "-bf16res"), ("-ac-full", "-ac-mlp")):
+            if set(pair) <= flags:
+                problems.append(f"variant {name!r}: {pair[0]} or {pair[1]}, not both")
     if problems:
         raise ConfigError(problems, "bench --variants")
     return Variant(name, backend, recipe, compiled and "-eager" not in flags,
                    "te" if flags & {"-te-attn", "-fp8-attn"} else "sdpa",
                    "-bf16ends" in flags, backend == "te" and "-nograph" not in flags,
-                   "-fp8-attn" in flags, "-fp8-head" in flags)
+                   "-fp8-attn" in flags, "-fp8-head" in flags,
+                   True if "-fp32res" in flags else False if "-bf16res" in flags else None,
+                   "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none")
 
 
 def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precision], list[str]]:
@@ -313,8 +326,11 @@ def build_step(variant: Variant, config: GPTConfig, batch_size: int, seq_len: in
     ``FP8Precision`` plugin's conversion and step context. Returns ``(step, plugin or None)``."""
     from .module import GPTLightningModule
 
+    if variant.fp32_residual is not None:
+        config = replace(config, fp32_residual=variant.fp32_residual)
     module = GPTLightningModule(config, backend=variant.backend, attention=variant.attention,
                                 compile=variant.compile, cuda_graphs=None if variant.graphs else False,
+                                activation_checkpointing=variant.activation_checkpointing,
                                 warmup_steps=min(10, total_steps),
                                 lr_decay_steps=total_steps)
     # The Trainer builds the model under the strategy's device context; TE modules go to CUDA.
@@ -503,6 +519,10 @@ def measure(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, 
     if variant.compile:
         torch._dynamo.reset()
     free_memory(device)
+    if result["status"] == "ran":  # as each finishes: a job killed later keeps these lines
+        log.info("bench %s: %.2f ms/step, %.0f tok/s, peak %s GiB", variant.name,
+                 result["ms_per_step"], result["tokens_per_s"],
+                 "n/a" if result["peak_mem_gib"] is None else f"{result['peak_mem_gib']:.2f}")
     return {"variant": variant.name, "backend": variant.backend, "attention": variant.attention,
             **result}
 

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.bench import DEFAULT_VARIANTS, bench, fp8_plugin_args, load_run_config, \
     parse_variant
-from fp8_lightning.config import ConfigError
+from fp8_lightning.config import ConfigError, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -79,7 +80,12 @@ def test_variant_names():
     v = parse_variant("fp8-delayed-fp8-attn-fp8-head")  # FP8 attention implies TE attention
     assert (v.attention, v.fp8_attention, v.fp8_head) == ("te", True, True)
     assert all(parse_variant(name) for name in DEFAULT_VARIANTS)
+    assert parse_variant("fp8-delayed-te-attn").fp32_residual is None  # the backend's default
+    assert parse_variant("fp8-delayed-te-attn-fp32res").fp32_residual is True
+    assert parse_variant("fp8-tensorwise-bf16res").fp32_residual is False
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
+                         ("te-bf16-fp32res-bf16res", "-fp32res or -bf16res, not both"),
+                         ("torch-compile-ac-mlp-ac-full", "-ac-full or -ac-mlp, not both"),
                          ("torch-eager-te-attn", "-te-attn needs a TE variant"),
                          ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant"),
                          ("torch-compile-nograph", "-nograph needs a TE variant"),
@@ -87,6 +93,19 @@ def test_variant_names():
                          ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)
+
+
+def test_the_residual_and_checkpointing_suffixes_reach_the_model_the_step_trains():
+    from fp8_lightning.bench import build_step
+
+    config = GPTConfig.from_name("tiny")
+    for name, fp32 in (("torch-eager", True), ("torch-eager-bf16res", False)):
+        step, _ = build_step(parse_variant(name), config, 2, 16, device=torch.device("cpu"))
+        assert step.module.model.fp32_residual is fp32, name
+        assert torch.isfinite(step())
+    step, _ = build_step(parse_variant("torch-eager-ac-full"), config, 2, 16,
+                         device=torch.device("cpu"))
+    assert step.module.model.checkpointed == {0, 1} and torch.isfinite(step())
 
 
 def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
