@@ -128,6 +128,13 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4 --ckpt_path last":
         ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
+    # Llama-3-8B on two GPUs: parsed and built on the meta device here; the memory levers on a GPU.
+    "python -m fp8_lightning fit --config configs/llama3_8b_fp8.yaml --data.data_dir data/text":
+        ("tests/test_readme.py::test_the_8b_configs_parse_and_build_the_full_model_on_the_meta_device",
+         "tests/test_gpu_memory.py::test_a_run_too_large_for_the_gpu_stops_before_its_first_step"),
+    "python -m fp8_lightning fit --config configs/llama3_8b_fp8.yaml --data.data_dir data/text --model.activation_checkpointing mlp":
+        ("tests/test_readme.py::test_fit_commands_run_a_step",
+         "tests/test_gpu_memory.py::test_activation_checkpointing_under_fp8_matches_and_keeps_less"),
     "python -m fp8_lightning consolidate runs/gpt2_fp8/checkpoints/last.ckpt runs/gpt2_fp8/gpt2-step5000.ckpt":
         ("tests/test_distributed.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint head-node:29500 -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.num_nodes 2 --trainer.devices 8":
