@@ -59,8 +59,14 @@ def test_activation_checkpointing_under_fp8_matches_and_keeps_less(mode, no_chec
     print(f"\n[activation checkpointing {mode}] peak {peak:.0f} -> {ckpt_peak:.0f} MiB; "
           f"final loss {losses[-1]:.4f} vs {ckpt_losses[-1]:.4f}")
     assert losses[-1] < losses[0] - 1.0  # it trains
-    for step in (0, 1, 9, 19):
-        assert abs(ckpt_losses[step] - losses[step]) < 2e-2, (step, ckpt_losses[step], losses[step])
+    # The first forward is the same computation, and one update later the same within rounding:
+    # a wrong recompute (other scales, a second amax update) shows here. Later the runs drift
+    # apart as any two do (atomic adds; the recompute's own kernels): on an H100 step 19 of
+    # `full` came 0.009 and 0.021 from the unchecked run's in two calls (session 10).
+    for step in (0, 1):
+        assert abs(ckpt_losses[step] - losses[step]) < 5e-3, (step, ckpt_losses[step], losses[step])
+    for step in (9, 19):
+        assert abs(ckpt_losses[step] - losses[step]) < 5e-2, (step, ckpt_losses[step], losses[step])
     assert ckpt_peak < (0.5 if mode == "full" else 0.85) * peak, (ckpt_peak, peak)
 
 
