@@ -61,12 +61,13 @@ def test_activation_checkpointing_under_fp8_matches_and_keeps_less(mode, no_chec
     assert losses[-1] < losses[0] - 1.0  # it trains
     # The first forward is the same computation, and one update later the same within rounding:
     # a wrong recompute (other scales, a second amax update) shows here. Later the runs drift
-    # apart as any two do (atomic adds; the recompute's own kernels): on an H100 step 19 of
-    # `full` came 0.009 and 0.021 from the unchecked run's in two calls (session 10).
+    # apart as any two do on this one memorised batch (atomic adds; the recompute's own
+    # kernels): on an H100 the *unchecked* run's step-19 loss itself came 4.704, 4.708 and 4.768
+    # in three calls, and `full` ended 0.009, 0.021 and 0.075 from it (session 10).
     for step in (0, 1):
         assert abs(ckpt_losses[step] - losses[step]) < 5e-3, (step, ckpt_losses[step], losses[step])
-    for step in (9, 19):
-        assert abs(ckpt_losses[step] - losses[step]) < 5e-2, (step, ckpt_losses[step], losses[step])
+    assert abs(ckpt_losses[9] - losses[9]) < 5e-2, (ckpt_losses[9], losses[9])
+    assert abs(ckpt_losses[19] - losses[19]) < 0.15, (ckpt_losses[19], losses[19])
     assert ckpt_peak < (0.5 if mode == "full" else 0.85) * peak, (ckpt_peak, peak)
 
 
