@@ -6,25 +6,34 @@ fp32 master weights, gradients and AdamW state are 16 bytes a parameter, 128 GB 
 
 The estimate counts, per GPU:
 
-- **weights**: fp32 master copies (4 B/param), sharded over the FSDP2 group; plus the
-  per-step working copies: BF16 casts of the weights autocast keeps for the step (2 B/param, one
-  gathered block at a time under FSDP2), or TE's FP8 weights and their transposes (2 B/param);
-- **gradients**: fp32 (4 B/param), sharded;
-- **optimizer**: AdamW's two fp32 moments (8 B/param), sharded;
+- **weights**: the master copies (4 B/param in fp32, 2 in ``bf16-true``), sharded over the
+  FSDP2 group; plus the step's working copies of the GEMM weights (BF16 casts under autocast,
+  or TE's FP8 weights and their transposes: 2 B per GEMM weight), under FSDP2 those of the two
+  blocks gathered at a time and of the root (embedding, LM head), which stays gathered;
+- **gradients**: one per parameter in the master dtype, sharded (under FSDP2 the LM head's
+  gradient is whole until its reduce-scatter);
+- **optimizer**: AdamW's two moments in the master dtype, sharded;
 - **activations**: what autograd keeps for the backward of one micro-batch. Per token and block
   (h = n_embd, q = the fused QKV width, f = the MLP width, f1 = fc1's output, 2f for SwiGLU;
-  r = the residual stream's bytes, 2 or 4): the QKV module's input and norm output (r + g) h,
-  q, k, v before and after RoPE/QK-norm 4q, attention's output 2h (and its FP8 copy for the
-  output projection), the MLP's input and norm output (r + g) h, fc1's output 2 f1 and the
-  activation g f, where g is 1 for a GEMM input kept in FP8, else 2. Flash attention keeps no
-  T x T matrix. ``full`` activation checkpointing keeps a checkpointed block's input (r h) and
-  recomputes one block at a time; ``mlp`` drops the MLP's norm output, fc1 output and activation.
-  The LM head's logits, their gradient and the loss's softmax: 3 x 2 B x padded vocabulary.
+  r = the residual stream's bytes, 2 or 4; g = 1 for a GEMM input TE keeps in FP8, else 2):
+  the QKV module's input and norm output (r + g) h, attention's q, k, v 2q and output 2h (and
+  its FP8 copy for the output projection, h), the MLP's input and norm output (r + g) h, fc1's
+  output 2 f1 and the activation g f. Flash attention keeps no T x T matrix. ``full`` activation
+  checkpointing keeps a checkpointed block's input (r h), plus one block recomputed at a time;
+  ``mlp`` drops the MLP's norm output, fc1 output and activation. The head: the BF16 logits
+  (2 B x padded vocabulary; the compiled loss writes their gradient into the same buffer; the
+  eager loss adds its fp32 copy and softmax gradient, 8 B more).
 
-Measured against ``torch.cuda.max_memory_allocated`` by ``tests/test_gpu_memory.py`` (the figures
-are in docs/benchmarks.md). The CUDA context and the allocator's fragmentation are not in it: the
-check compares against the memory free *and* already reserved by this process, and needs the
-estimate to be below that.
+The backward frees activations while it writes gradients, and the LM head's gradient comes
+first: the peak is ``weights + optimizer + max(activations + head gradient, gradients)``, or
+their sum under gradient accumulation (the gradients of the earlier micro-batches are held).
+
+Measured against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step): 0.95x and
+0.86x on an H100 (GPT-2 124M cut to 4 blocks, 8 x 1024, compiled BF16 and TE FP8;
+``tests/test_gpu_bench.py``), 0.98-1.01x (compiled BF16) and 1.02-1.27x (TE FP8, which keeps
+fewer activations than counted) against session 9's H200 tables (docs/benchmarks.md). The CUDA
+context and the allocator's fragmentation are not in it: the check compares with the memory free
+*and* already reserved by this process.
 """
 
 from __future__ import annotations
@@ -33,46 +42,50 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .config import GPTConfig
+from .flops import matmul_params
+from .model import checkpointed_blocks
 
 GIB = 1024 ** 3
 
 
 def num_params(config: GPTConfig) -> int:
-    """Every parameter (tied embeddings once): embeddings, blocks, norms, LM head."""
+    """Every parameter (tied embeddings once): the GEMM weights (:func:`matmul_params`: blocks
+    and LM head), the embeddings, norms and biases."""
     c = config
-    h, q, f = c.n_embd, c.qkv_width, c.ffn_hidden
-    f1 = 2 * f if c.activation == "swiglu" else f
+    h = c.n_embd
+    f1 = 2 * c.ffn_hidden if c.activation == "swiglu" else c.ffn_hidden
     norm = h * (2 if c.norm == "layernorm" else 1)
-    block = h * q + h * h + h * f1 + f * h + 2 * norm
-    if c.bias:
-        block += q + h + f1 + h
-    if c.qk_norm:
-        block += 2 * c.head_dim
-    embeddings = c.padded_vocab_size * h * (1 if c.tie_embeddings else 2)
-    if c.position == "learned":
-        embeddings += c.block_size * h
-    return c.n_layer * block + embeddings + norm
+    per_block = 2 * norm + (c.qkv_width + h + f1 + h if c.bias else 0)
+    per_block += 2 * c.head_dim if c.qk_norm else 0
+    embeddings = 0 if c.tie_embeddings else c.padded_vocab_size * h  # tied: the head's weight
+    embeddings += c.block_size * h if c.position == "learned" else 0
+    return matmul_params(c) + c.n_layer * per_block + embeddings + norm
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU."""
+    """Bytes per GPU; ``total`` is the step's peak (the module docstring says how)."""
 
     weights: float
     gradients: float
     optimizer: float
     activations: float
+    head_gradient: float = 0.0  # the LM head's, written first in the backward
+    accumulate: bool = False  # gradient accumulation: gradients held beside the activations
 
     @property
     def total(self) -> float:
-        # The backward frees activations as it writes gradients (set to None after each
-        # step): the two peak together at about the larger of them, not their sum.
-        return self.weights + self.optimizer + max(self.gradients, self.activations)
+        if self.accumulate:
+            return self.weights + self.optimizer + self.gradients + self.activations
+        return self.weights + self.optimizer + max(self.activations + self.head_gradient,
+                                                   self.gradients)
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in
                           ("weights", "gradients", "optimizer", "activations"))
-        return f"{self.total / GIB:.1f} GiB per GPU ({parts})"
+        how = "all four" if self.accumulate else "weights + optimizer + the larger of " \
+              "activations and gradients"
+        return f"{self.total / GIB:.1f} GiB per GPU ({parts}; peak: {how})"
 
 
 @dataclass(frozen=True)
@@ -86,35 +99,47 @@ class RunShape:
     fp32_residual: bool = False
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 1
+    master_bytes: int = 4  # 4: fp32 master weights (bf16-mixed); 2: bf16-true
+    compiled_loss: bool = True  # False: the eager loss materialises fp32 logits
+    accumulate_grad_batches: int = 1
 
 
 def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
     """The peak bytes per GPU of one training step (see the module docstring for the terms)."""
     c = config
-    params = num_params(c)
-    per_block = params / max(1, c.n_layer)
-    gathered = 2 * per_block * min(2, c.n_layer) if run.shards > 1 else 2 * params
+    params, gemm = num_params(c), matmul_params(c)
     h, q, f = c.n_embd, c.qkv_width, c.ffn_hidden
+    head_params = c.padded_vocab_size * h
+    if run.shards > 1:  # two blocks gathered at a time, the root (embedding, head) throughout
+        root = head_params * (1 if c.tie_embeddings else 2)
+        working = 2 * (2 * (params - root) / max(1, c.n_layer) + root)
+    else:  # the GEMM weights' BF16 (or FP8) copies; the embedding lookup takes no copy
+        working = 2 * gemm
     f1 = 2 * f if c.activation == "swiglu" else f
     r = 4 if run.fp32_residual else 2
     g = 1 if run.fp8 else 2
     attention = (r + g) * h + 2 * q + 2 * h + (h if run.fp8 else 0)
     mlp_inner = g * h + 2 * f1 + g * f
-    mlp = r * h + mlp_inner
-    block = attention + mlp  # bytes per token
-    checkpointed = len(range(0, c.n_layer, run.activation_checkpointing_every))
+    block = attention + r * h + mlp_inner  # bytes per token
+    checkpointed = len(checkpointed_blocks(c.n_layer, run.activation_checkpointing_every))
     if run.activation_checkpointing == "full":
-        kept = checkpointed * r * h + (c.n_layer - checkpointed) * block + block  # + one recompute
+        kept = checkpointed * r * h + (c.n_layer - checkpointed) * block
+        if checkpointed == c.n_layer:  # every block: one recomputed at a time on top
+            kept += block
     elif run.activation_checkpointing == "mlp":
         kept = c.n_layer * block - checkpointed * mlp_inner + mlp_inner
     else:
         kept = c.n_layer * block
+    logits = c.padded_vocab_size * (2 if run.compiled_loss else 10)
     tokens = run.batch_size * run.seq_len
-    # The BF16 logits (the compiled loss writes their gradient into the same buffer); final norm.
-    head = 2 * c.padded_vocab_size + 2 * r * h
-    return MemoryEstimate(weights=4 * params / run.shards + gathered,
-                          gradients=4 * params / run.shards, optimizer=8 * params / run.shards,
-                          activations=tokens * (kept + head))
+    state = params / run.shards  # parameters held per GPU
+    return MemoryEstimate(weights=run.master_bytes * state + working,
+                          gradients=run.master_bytes * state,
+                          optimizer=2 * run.master_bytes * state,
+                          activations=tokens * (kept + logits + 2 * r * h),  # + the final norm
+                          # the LM head's gradient: whole (not yet reduce-scattered) under FSDP2
+                          head_gradient=run.master_bytes * head_params,
+                          accumulate=run.accumulate_grad_batches > 1)
 
 
 def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) -> Optional[str]:
@@ -123,21 +148,35 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
     estimate = estimate_memory(config, run)
     if estimate.total <= budget:
         return None
+
+    def fits(shape: RunShape) -> bool:
+        return estimate_memory(config, shape).total <= budget
+
+    def fewest_gpus(shape: RunShape) -> Optional[int]:  # doubling, up to 64; None: none do
+        n = max(2, run.shards * 2, gpus)
+        while n <= 64 and not fits(replace(shape, shards=n)):
+            n *= 2
+        return n if n <= 64 else None
+
+    def fsdp(n: int) -> str:
+        return (f"FSDP2 over {n} GPUs (--config configs/fsdp.yaml; trainer.devices x "
+                f"trainer.num_nodes = {n})")
+
+    full = replace(run, activation_checkpointing="full", activation_checkpointing_every=1)
     levers = []
-    if run.activation_checkpointing != "full" or run.activation_checkpointing_every > 1:
-        full = replace(run, activation_checkpointing="full", activation_checkpointing_every=1)
+    if full != run:
         levers.append(("model.activation_checkpointing: full", full))
     if run.batch_size > 1:
         levers.append((f"data.batch_size: {run.batch_size // 2}",
                        replace(run, batch_size=run.batch_size // 2)))
-    more = max(2, run.shards * 2, gpus)  # the fewest GPUs (doubling, to 64) that would do
-    while more < 64 and estimate_memory(config, replace(run, shards=more)).total > budget:
-        more *= 2
-    levers.append((f"FSDP2 over {more} GPUs (--config configs/fsdp.yaml, trainer.devices: {more})",
-                   replace(run, shards=more)))
-    said = []
-    for name, shape in levers:
-        total = estimate_memory(config, shape).total
-        said.append(f"{name} -> {total / GIB:.1f} GiB{'' if total <= budget else ' (not enough)'}")
+    alone = fewest_gpus(run)  # sharding divides the state, not the activations
+    if alone:
+        levers.append((fsdp(alone), replace(run, shards=alone)))
+    if not any(fits(shape) for _, shape in levers) and full != run and fewest_gpus(full):
+        n = fewest_gpus(full)
+        levers.append((f"model.activation_checkpointing: full and {fsdp(n)}",
+                       replace(full, shards=n)))
+    said = [f"{name} -> {estimate_memory(config, shape).total / GIB:.1f} GiB"
+            f"{'' if fits(shape) else ' (not enough)'}" for name, shape in levers]
     return (f"the run needs about {estimate.describe()} but {budget / GIB:.1f} GiB is free on the "
             f"GPU; levers: {'; '.join(said)}")

@@ -28,6 +28,11 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "mlp")
 RESIDUAL_PROJECTIONS = ("proj.weight", "mlp.fc2_weight")
 
 
+def checkpointed_blocks(n_layer: int, every: int) -> list[int]:
+    """The blocks activation checkpointing applies to: the first of every ``every``."""
+    return list(range(0, n_layer, every))
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Mean cross-entropy in fp32 over the real vocabulary; logits (B, T, padded_vocab_size).
 
@@ -122,11 +127,13 @@ class GPT(nn.Module):
         c = config
         self.fp32_residual = c.fp32_residual if c.fp32_residual is not None else backend == "torch"
         every = activation_checkpointing_every
-        if activation_checkpointing not in ACTIVATION_CHECKPOINTING or every < 1:
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING or not 1 <= every <= c.n_layer:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r}, "
                              f"activation_checkpointing_every={every}; valid: "
-                             f"{', '.join(ACTIVATION_CHECKPOINTING)} and every >= 1")
-        picked = [i % every == 0 for i in range(c.n_layer)]
+                             f"{', '.join(ACTIVATION_CHECKPOINTING)} and every from 1 to "
+                             f"n_layer={c.n_layer}")
+        chosen = set(checkpointed_blocks(c.n_layer, every))
+        picked = [i in chosen for i in range(c.n_layer)]
         # Indices of the blocks whose forward is recomputed in the backward ("full").
         self.checkpointed = {i for i, on in enumerate(picked)
                              if on and activation_checkpointing == "full"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import lightning as L
 import torch
@@ -16,8 +16,12 @@ from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor
 from .fp8.plugin import fp8_plugin
-from .model import ACTIVATION_CHECKPOINTING, GPT, compile_model, uncompile_model
+from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
+                    uncompile_model)
 from .te_support import te_status
+
+if TYPE_CHECKING:
+    from .memory import RunShape
 
 
 def resolve_backend(backend: str) -> tuple[str, str]:
@@ -142,9 +146,9 @@ class GPTLightningModule(L.LightningModule):
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             problems.append(f"model.activation_checkpointing={activation_checkpointing!r}; valid: "
                             + ", ".join(ACTIVATION_CHECKPOINTING))
-        if activation_checkpointing_every < 1:
+        if not 1 <= activation_checkpointing_every <= config.n_layer:
             problems.append(f"model.activation_checkpointing_every={activation_checkpointing_every}"
-                            " must be >= 1 (1: every block)")
+                            f"; valid: 1 (every block) to model.config.n_layer={config.n_layer}")
         if attention == "te" and backend == "torch":
             problems.append("model.attention='te' (te.DotProductAttention) needs model.backend "
                             "te or auto; with backend torch use attention sdpa")
@@ -184,9 +188,9 @@ class GPTLightningModule(L.LightningModule):
                          activation_checkpointing=hp.activation_checkpointing,
                          activation_checkpointing_every=hp.activation_checkpointing_every)
         if hp.activation_checkpointing != "none":
-            blocks = len(range(0, self.config.n_layer, hp.activation_checkpointing_every))
+            blocks = checkpointed_blocks(self.config.n_layer, hp.activation_checkpointing_every)
             rank_zero_info(f"activation checkpointing: {hp.activation_checkpointing}, "
-                           f"{blocks} of {self.config.n_layer} blocks")
+                           f"{len(blocks)} of {self.config.n_layer} blocks")
         if self.hparams.init_from is not None:
             from .hf import init_weights
 
@@ -194,30 +198,52 @@ class GPTLightningModule(L.LightningModule):
             rank_zero_info(f"model: weights from {self.hparams.init_from}")
         self._compile()
 
+    def memory_run(self, trainer: "L.Trainer", datamodule: Any) -> Optional["RunShape"]:
+        """What besides the model decides this fit's memory per GPU (the micro-batch from the
+        data module, sharding, FP8, residual, checkpointing, master dtype, compile,
+        accumulation); None when the micro-batch is not known before the first batch."""
+        from .distributed import is_sharded
+        from .memory import RunShape
+
+        batch_size = getattr(datamodule, "batch_size", None)
+        if not batch_size:
+            return None
+        hp, c = self.hparams, self.config
+        plugin = fp8_plugin(trainer)
+        precision = plugin.precision if plugin is not None else str(trainer.precision)
+        return RunShape(batch_size=batch_size,
+                        seq_len=getattr(datamodule, "seq_len", None) or c.block_size,
+                        shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
+                        fp8=plugin is not None and self.backend_name == "te",
+                        fp32_residual=(c.fp32_residual if c.fp32_residual is not None
+                                       else self.backend_name == "torch"),
+                        activation_checkpointing=hp.activation_checkpointing,
+                        activation_checkpointing_every=hp.activation_checkpointing_every,
+                        master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
+                        compiled_loss=self._compile_decision()[0],
+                        accumulate_grad_batches=trainer.accumulate_grad_batches)
+
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
         stop with the levers that would make it fit when it cannot (``model.memory_check``)."""
         trainer = self._trainer
         device = trainer.strategy.root_device if trainer is not None else None
-        datamodule = getattr(trainer, "datamodule", None)
-        batch_size = getattr(datamodule, "batch_size", None)
-        if device is None or device.type != "cuda" or not batch_size or not trainer.training:
-            return  # a plain DataLoader's micro-batch is not known before its first batch
-        from .distributed import is_sharded
-        from .memory import GIB, RunShape, estimate_memory, fit_problem
+        if device is None or device.type != "cuda" or not trainer.training:
+            return
+        run = self.memory_run(trainer, getattr(trainer, "datamodule", None))
+        if run is None:
+            return
+        from .memory import GIB, estimate_memory, fit_problem
 
         hp, c = self.hparams, self.config
-        plugin = fp8_plugin(trainer)
-        run = RunShape(batch_size=batch_size,
-                       seq_len=getattr(datamodule, "seq_len", None) or c.block_size,
-                       shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
-                       fp8=plugin is not None and self.backend_name == "te",
-                       fp32_residual=(c.fp32_residual if c.fp32_residual is not None
-                                      else self.backend_name == "torch"),
-                       activation_checkpointing=hp.activation_checkpointing,
-                       activation_checkpointing_every=hp.activation_checkpointing_every)
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free + torch.cuda.memory_reserved(device)  # what this process holds is ours
+        budget = torch.tensor(free + torch.cuda.memory_reserved(device), device=device,
+                              dtype=torch.float64)  # what this process holds is ours
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every rank takes the same decision, on the GPU with the least room: a rank that
+            # stopped alone would leave the others waiting in their first collective.
+            torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+        budget = budget.item()
         rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
                        f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
                        "(fp8_lightning/memory.py)")
@@ -256,7 +282,8 @@ class GPTLightningModule(L.LightningModule):
                                f"{plugin.engine.name} engine")
                 self.attention = "sdpa"
 
-    def _compile(self) -> None:
+    def _compile_decision(self) -> tuple[bool, str]:
+        """Will the model be compiled (``model.compile``, its default here), and why (not)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         wanted = self.hparams.compile
         ok, reason = compile_status(device)
@@ -267,10 +294,15 @@ class GPTLightningModule(L.LightningModule):
             elif ok and world > 1:  # compiled regions under DDP/FSDP2: not run on a GPU yet
                 reason = ("off by default with several processes (DDP/FSDP2): not yet verified "
                           "there; model.compile: true to try it")
-            wanted = ok and device == "cuda" and world == 1
-        elif wanted and not ok:
-            rank_zero_warn(f"model.compile=true but {reason}; training eagerly")
-            wanted = False
+            return ok and device == "cuda" and world == 1, reason
+        if wanted and not ok:
+            return False, f"model.compile=true but {reason}; training eagerly"
+        return bool(wanted), reason
+
+    def _compile(self) -> None:
+        wanted, reason = self._compile_decision()
+        if self.hparams.compile and not wanted:
+            rank_zero_warn(reason)
         if not wanted:
             rank_zero_info(f"compile: off ({reason})" if self.hparams.compile is None
                            else "compile: off")
@@ -289,8 +321,8 @@ class GPTLightningModule(L.LightningModule):
             if self.backend_name != "te":
                 ok, reason = False, "the PyTorch backend is compiled instead"
             elif self.hparams.activation_checkpointing != "none":
-                ok, reason = False, ("activation checkpointing recomputes blocks in the backward, "
-                                     "a graph replays a fixed one")
+                ok, reason = False, ("activation checkpointing runs a block's forward again "
+                                     "inside the backward, which a captured block graph does not")
             if wanted and not ok:
                 rank_zero_warn(f"model.cuda_graphs=true but {reason}; running without")
             self._graphs_on = ok and wanted is not False

@@ -4,6 +4,7 @@ does not fit. Its agreement with measured peaks is a GPU test (test_gpu_bench.py
 import pytest
 
 from fp8_lightning.config import GPTConfig
+from fp8_lightning.flops import matmul_params
 from fp8_lightning.memory import GIB, RunShape, estimate_memory, fit_problem, num_params
 from fp8_lightning.model import GPT
 
@@ -18,13 +19,26 @@ def test_parameter_count_is_the_models(name, overrides):
 
 def test_training_state_is_16_bytes_a_parameter_and_shards_split_it():
     config = GPTConfig.from_name("llama3-8b")
-    p = num_params(config)
+    p, gemm = num_params(config), matmul_params(config)
     one = estimate_memory(config, RunShape(batch_size=1, seq_len=8192))
     assert (one.gradients, one.optimizer) == (4 * p, 8 * p)
-    assert one.weights == 4 * p + 2 * p  # fp32 masters + the step's BF16/FP8 working copies
+    assert one.weights == 4 * p + 2 * gemm  # fp32 masters + the GEMM weights' BF16/FP8 copies
     two = estimate_memory(config, RunShape(batch_size=1, seq_len=8192, shards=2))
     assert (two.gradients, two.optimizer) == (2 * p, 4 * p)
     assert two.activations == one.activations  # FSDP2 shards state, not a micro-batch
+    # bf16-true: masters, gradients and AdamW's moments in BF16, half of everything
+    half = estimate_memory(config, RunShape(batch_size=1, seq_len=8192, master_bytes=2))
+    assert (half.gradients, half.optimizer) == (2 * p, 4 * p)
+
+
+def test_the_peak_is_activations_or_gradients_unless_gradients_accumulate():
+    config = GPTConfig.from_name("gpt2")
+    e = estimate_memory(config, RunShape(batch_size=8, seq_len=1024))
+    assert e.total == e.weights + e.optimizer + max(e.activations + e.head_gradient, e.gradients)
+    acc = estimate_memory(config, RunShape(batch_size=8, seq_len=1024, accumulate_grad_batches=4))
+    assert acc.total == e.weights + e.optimizer + e.gradients + e.activations > e.total
+    eager = estimate_memory(config, RunShape(batch_size=8, seq_len=1024, compiled_loss=False))
+    assert eager.activations == e.activations + 8 * 8 * 1024 * config.padded_vocab_size  # fp32
 
 
 def test_activations_scale_with_tokens_and_shrink_with_fp8_and_checkpointing():
@@ -50,12 +64,15 @@ def test_a_run_that_fits_has_no_problem_and_one_that_does_not_gets_checked_lever
     total = estimate_memory(config, run).total / GIB
     assert f"needs about {total:.1f} GiB per GPU" in problem and "80.0 GiB is free" in problem
     # 8B on one 80 GB GPU: states alone are 16 B x 8.0B; activation checkpointing cannot help,
-    # sharding over two GPUs can, and each lever says which.
-    assert "model.activation_checkpointing: full ->" in problem
+    # sharding can, and each lever says which (the GPU count over nodes, the fewest that fit).
     lever = problem.split("model.activation_checkpointing: full -> ")[1].split(";")[0]
     assert lever.endswith("(not enough)")
-    fsdp = problem.split("FSDP2 over 2 GPUs")[1]
-    assert "(not enough)" not in fsdp.split(";")[0]
-    # 12B on 80 GB: two GPUs are not enough, the lever names the fewest that are.
-    problem = fit_problem(GPTConfig.from_name("llama3-8b", n_layer=48), run, 80 * GIB)
-    assert "FSDP2 over 4 GPUs" in problem and "FSDP2 over 2 GPUs" not in problem
+    gpus = int(problem.split("; FSDP2 over ")[1].split(" GPUs")[0])
+    assert "(not enough)" not in problem.split("; FSDP2 over ")[1]
+    assert "trainer.devices x trainer.num_nodes" in problem
+    assert fit_problem(config, RunShape(1, 8192, fp8=True, shards=gpus), 80 * GIB) is None
+    assert fit_problem(config, RunShape(1, 8192, fp8=True, shards=gpus // 2), 80 * GIB)
+    # Eight sequences: neither lever alone is enough; checkpointing and sharding together are.
+    problem = fit_problem(config, RunShape(8, 8192, fp8=True), 80 * GIB)
+    assert "model.activation_checkpointing: full and FSDP2 over" in problem
+    assert problem.count("(not enough)") == 2 and not problem.endswith("(not enough)")

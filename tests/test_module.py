@@ -105,3 +105,24 @@ def test_the_clip_folded_into_fused_adamw_is_the_separate_clip(max_norm):
         assert optimizer.grad_scale is None
     for folded, separate in zip(*results):
         torch.testing.assert_close(folded, separate, rtol=1e-5, atol=1e-7)
+
+
+def test_the_memory_check_sees_the_runs_precision_accumulation_compile_and_checkpointing():
+    """What the memory check estimates for (fp8_lightning/memory.py): read from the Trainer,
+    the FP8 plugin and the data module as a fit configures them."""
+    from fp8_lightning.data import TokenShardDataModule
+    from fp8_lightning.fp8 import FP8Precision
+
+    data = TokenShardDataModule(batch_size=4, seq_len=64)
+    module = GPTLightningModule(config=GPTConfig.from_name("tiny", n_layer=4), backend="torch",
+                                activation_checkpointing="mlp", activation_checkpointing_every=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, accumulate_grad_batches=3,
+                        plugins=[FP8Precision(weights="bf16-true", on_unavailable="fallback")])
+    run = module.memory_run(trainer, data)
+    assert (run.batch_size, run.seq_len, run.shards, run.accumulate_grad_batches) == (4, 64, 1, 3)
+    assert run.master_bytes == 2 and not run.fp8  # bf16-true weights; the torch backend
+    assert (run.activation_checkpointing, run.activation_checkpointing_every) == ("mlp", 2)
+    assert run.fp32_residual and not run.compiled_loss  # the torch backend; no compile on a CPU
+    default = module.memory_run(L.Trainer(accelerator="cpu", devices=1, logger=False), data)
+    assert default.master_bytes == 4 and default.accumulate_grad_batches == 1
+    assert module.memory_run(trainer, None) is None  # a plain DataLoader: not known in advance
