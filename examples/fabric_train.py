@@ -31,7 +31,7 @@ import lightning as L
 import torch
 
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import RECIPES
 from fp8_lightning.module import GPTLightningModule

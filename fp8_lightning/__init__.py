@@ -6,18 +6,20 @@ import importlib
 __version__ = "0.1.0"
 
 # The public names and the module each lives in, imported on first use (PEP 562): importing a
-# light module such as `fp8_lightning.documents` (in prepare's spawned workers) or the
+# light module such as `fp8_lightning.data.documents` (in prepare's spawned workers) or the
 # `fp8_lightning.__main__` of a spawned child must not import Lightning and the whole package,
 # about 10 s per process on a small CPU.
 _EXPORTS = {
-    "AtomicCheckpointIO": "checkpoint", "Checkpoint": "checkpoint", "CheckpointError": "checkpoint",
+    "AtomicCheckpointIO": "checkpoint", "CheckpointError": "checkpoint",
+    "Checkpoint": "callbacks.checkpoint", "TrainingMonitor": "callbacks.monitor",
+    "FaultInjection": "callbacks.faults",
+    "NaNGuard": "callbacks.guard", "NonFiniteTrainingError": "callbacks.guard",
     "PRESETS": "config", "ConfigError": "config", "GPTConfig": "config",
-    "TokenShardDataModule": "data", "prepare": "data",
+    "TokenShardDataModule": "data.streaming", "prepare": "data.prepare",
     "FSDP2Strategy": "distributed",
     "FabricFP8Precision": "fabric", "FabricNaNGuard": "fabric",
     "FP8Precision": "fp8", "FP8Stats": "fp8.stats",
-    "GPT": "model", "GPTLightningModule": "module", "TrainingMonitor": "monitor",
-    "FaultInjection": "safety", "NaNGuard": "safety", "NonFiniteTrainingError": "safety",
+    "GPT": "model", "GPTLightningModule": "module",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -12,10 +12,10 @@
   :class:`MetadataUnpickler`, and its shards by :class:`SafeFileSystemReader` and
   :class:`SafeLoadPlanner` (DCP's default planner unpickles non-tensor entries with
   ``weights_only=False``).
-* :class:`Checkpoint` is Lightning's ``ModelCheckpoint`` with the project's defaults: one stable
-  directory per run root (so ``--ckpt_path last`` finds it across runs), ``last.ckpt`` every N steps
-  and at the end, best-k by ``val/loss``, and optionally the last K periodic checkpoints.
-* :func:`list_checkpoints` backs ``python -m fp8_lightning checkpoints DIR``.
+* :func:`describe_checkpoint` / :func:`list_checkpoints` say what a checkpoint holds (for
+  ``python -m fp8_lightning checkpoints DIR``, :mod:`fp8_lightning.commands.checkpoints`), and
+  :func:`find_checkpoint` resolves ``--ckpt_path last|best``.
+* The callback that writes them is :class:`fp8_lightning.callbacks.checkpoint.Checkpoint`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import Any, Iterator, Optional
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
                                                           _EmptyStateDictLoadPlanner)
@@ -95,7 +94,7 @@ def _write_failure(path: Path, err: BaseException) -> str:
     else:
         reason = re.sub(r"^\[enforce fail at [^\]]*\][\s.]*", "", str(err).strip()).split("\n")[0]
     try:
-        reason += f" ({_human(shutil.disk_usage(path.parent).free)} free there)"
+        reason += f" ({human_size(shutil.disk_usage(path.parent).free)} free there)"
     except OSError:
         pass
     return (f"could not write checkpoint {str(path)!r}: {reason or type(err).__name__}; "
@@ -477,31 +476,6 @@ def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -
     return checkpoint
 
 
-def consolidate(checkpoint: str, output: Optional[str] = None) -> str:
-    """Gather a sharded (FSDP) checkpoint directory into one file that loads on one GPU or the CPU.
-
-    Args:
-        checkpoint: the sharded checkpoint directory (e.g. runs/x/checkpoints/last.ckpt).
-        output: the file to write; default ``consolidated-stepNNNNNNN.ckpt`` beside it (not a
-            ``last*`` name: ``--ckpt_path last`` keeps meaning the newest training checkpoint).
-    """
-    src = Path(checkpoint)
-    if not is_sharded_checkpoint(src):
-        if src.is_file():
-            raise CheckpointError(f"checkpoint {checkpoint!r} is already a single file")
-        load_checkpoint_file(src)  # the missing-file error, with the directory's checkpoints
-    if output and Path(output).is_dir():
-        raise CheckpointError(f"consolidate --output {output!r} is a directory; give a file name "
-                              f"such as {str(Path(output) / 'consolidated.ckpt')!r}")
-    checkpoint = consolidate_checkpoint(src)
-    dst = Path(output) if output else \
-        src.with_name(f"consolidated-step{int(checkpoint.get('global_step', 0)):07d}.ckpt")
-    atomic_torch_save(checkpoint, dst)
-    size = dst.stat().st_size
-    print(f"{dst} ({size / 2**20:.1f} MB): one file, loads on one GPU or the CPU")
-    return str(dst)
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with atomic writes and validated, ``weights_only`` loads."""
 
@@ -516,212 +490,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         return consolidate_checkpoint(path, map_location=map_location)
-
-
-class Checkpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` with atomic writes, a stable directory and keep-last-K.
-
-    ``last.ckpt`` is written every ``every_n_train_steps`` steps and when training ends; best-k
-    checkpoints are ranked after each validation, by that validation's ``monitor``.
-
-    Args:
-        dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` (one
-            directory for every run under that root, so ``--ckpt_path last`` finds the last one).
-        every_n_train_steps: write ``last.ckpt`` (and consider best-k) every N steps; ``last.ckpt``
-            is also written when training ends.
-        monitor: metric for best-k (``val/loss``).
-        save_top_k: best-k checkpoints kept by ``monitor`` (0 = none).
-        keep_last: also keep the last K periodic checkpoints as ``step-NNNNNNN.ckpt``
-            (hard links to the ``last.ckpt`` of that step: no extra write); 0 = none.
-        filename: name of the best-k files (metric names are not inserted: ``/`` would make
-            directories).
-        save_last: write ``last.ckpt``.
-        **kwargs: any other ``ModelCheckpoint`` argument.
-    """
-
-    def __init__(self, dirpath: Optional[str] = None, every_n_train_steps: int = 500,
-                 monitor: Optional[str] = "val/loss", save_top_k: int = 1, keep_last: int = 0,
-                 filename: str = "best-step{step:07d}-val{val/loss:.4f}", save_last: bool = True,
-                 auto_insert_metric_name: bool = False, **kwargs: Any) -> None:
-        super().__init__(dirpath=dirpath, every_n_train_steps=every_n_train_steps,
-                         monitor=monitor, save_top_k=save_top_k, filename=filename,
-                         save_last=save_last, auto_insert_metric_name=auto_insert_metric_name,
-                         **kwargs)
-        if not isinstance(keep_last, int) or keep_last < 0:
-            raise ValueError(f"Checkpoint.keep_last={keep_last!r} must be an integer >= 0")
-        self.keep_last = keep_last
-        self._last_ckpt_step: Optional[int] = None
-
-    def _use_default_dir(self, trainer: L.Trainer) -> None:
-        if self.dirpath is None:
-            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
-
-    @override
-    def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
-        # `--ckpt_path last` is resolved before setup(): use the same default directory.
-        self._use_default_dir(trainer)
-        # Never a temporary (.last.ckpt.tmp-PID) left by a kill mid-write.
-        return {p for p in super()._find_last_checkpoints(trainer)
-                if not os.path.basename(p).startswith(".")}
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._use_default_dir(trainer)
-        strategy = trainer.strategy
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default: make writes atomic
-            strategy.checkpoint_io = AtomicCheckpointIO()
-        super().setup(trainer, pl_module, stage)
-        if trainer.is_global_zero:  # a SIGKILL mid-write leaves its temporary behind
-            remove_stale_temporaries(self.dirpath)
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
-        # Every N steps: last.ckpt (and keep-last-K) only. Best-k waits for the validation that
-        # measures *these* weights (ModelCheckpoint would rank them by the previous validation).
-        every = self._every_n_train_steps
-        if every and trainer.global_step % every == 0 and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit":
-            return
-        if self.save_top_k and self.monitor:
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # ModelCheckpoint writes last.ckpt at the end only if it never wrote one; we want the end
-        # state whenever it is newer than the last write.
-        if self.save_last and self._last_ckpt_step != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                     exception: BaseException) -> None:
-        # SIGTERM (a scheduler's time limit, preemption; the CLI's first Ctrl-C too) stops
-        # between steps: Lightning raises SIGTERMException once a step has ended. Write that step
-        # as last.ckpt so `--ckpt_path last` resumes exactly there. Any other exception may have
-        # hit mid-step: ModelCheckpoint's rule (save_on_exception) applies.
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-        if not isinstance(exception, SIGTERMException):
-            return super().on_exception(trainer, pl_module, exception)
-        if (self.save_last and trainer.state.fn == "fit" and not trainer.sanity_checking
-                and not trainer.fast_dev_run and self._last_ckpt_step != trainer.global_step):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    @override
-    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
-        super()._save_last_checkpoint(trainer, monitor_candidates)
-        self._last_ckpt_step = trainer.global_step
-        if self.keep_last and trainer.is_global_zero and self.last_model_path:
-            self._keep(Path(self.last_model_path), trainer.global_step)
-
-    def _keep(self, last: Path, step: int) -> None:
-        target = last.with_name(f"step-{step:07d}.ckpt")
-        if last.is_dir() and not target.exists():  # a sharded checkpoint: a directory of links
-            link_copy_directory(last, target)
-        elif not target.exists():
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
-            except OSError:
-                import shutil
-
-                shutil.copy2(last, tmp)
-            os.replace(tmp, target)
-        kept = sorted(last.parent.glob("step-*.ckpt"))
-        for old in kept[: max(0, len(kept) - self.keep_last)]:
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------- listing
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def describe_checkpoint(path: Path, strict: bool = False) -> dict[str, Any]:
-    """One row for ``checkpoints``: step, tokens, val loss (and the step it was measured at),
-    precision, size; or the error (raised where ``strict``)."""
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
-        else path.stat().st_size
-    row: dict[str, Any] = {"file": path.name + ("/" if path.is_dir() else ""), "size": size}
-    try:
-        ckpt = load_checkpoint_file(path, mmap=True)
-    except (CheckpointError, FileNotFoundError) as err:
-        if strict:
-            raise
-        # "checkpoint 'PATH' is truncated ..." -> "truncated ..." (errors naming a file inside a
-        # sharded checkpoint keep its name)
-        row["error"] = re.sub(f"^checkpoint {re.escape(repr(str(path)))} (is )?", "", str(err))
-        return row
-    meta = ckpt.get("fp8_lightning", {})
-    row.update(step=ckpt.get("global_step"), tokens=ckpt.get("tokens_seen"),
-               val_loss=meta.get("val_loss"), val_step=meta.get("val_step"),
-               precision=meta.get("precision", "?"), model=meta.get("config", {}).get("name", "?"))
-    return row
-
-
-def list_checkpoints(directory: str) -> list[dict[str, Any]]:
-    """Rows describing every ``*.ckpt`` in ``directory``, oldest step first."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
-    rows = [describe_checkpoint(p) for p in sorted(root.glob("*.ckpt")) if not p.name.startswith(".")]
-    return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0, r["file"]))
-
-
-def format_checkpoints(rows: list[dict[str, Any]]) -> str:
-    header = ("file", "step", "tokens", "val loss", "precision", "model", "size")
-    lines = []
-    for r in rows:
-        if "error" in r:
-            lines.append((r["file"], "-", "-", "-", f"UNREADABLE: {r['error']}", "-", _human(r["size"])))
-            continue
-        val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
-        if r["val_loss"] is not None and r.get("val_step") != r["step"]:  # an older validation's
-            val += f" @step {'?' if r.get('val_step') is None else r['val_step']}"
-        tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
-        lines.append((r["file"], str(r["step"]), tokens, val, r["precision"], r["model"],
-                      _human(r["size"])))
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)] if lines else []
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))] if lines else []
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in lines]
-    return "\n".join(out) if out else "(no checkpoints)"
-
-
-def checkpoints(directory: str) -> None:
-    """List the checkpoints in DIRECTORY: step, tokens seen, validation loss, precision, size.
-
-    The validation loss is the last one measured before the checkpoint was written. Where that
-    validation ran at an earlier step than the checkpoint's (``last.ckpt`` is written after
-    further training steps), the step it measured is shown with it: ``3.2100 @step 100`` (``@step
-    ?``: a checkpoint from a version that did not record it). Unreadable checkpoints are listed
-    with the reason.
-
-    Args:
-        directory: a checkpoint directory (e.g. runs/quickstart/checkpoints), a run root that
-            contains one, or one checkpoint (a file or a sharded checkpoint's directory; an
-            unreadable one is then an error).
-    """
-    root = Path(directory)
-    if root.is_file() or (root / SHARDED_META).exists() or (root / DCP_METADATA).exists():
-        print(format_checkpoints([describe_checkpoint(root, strict=True)]))
-        return
-    if root.is_dir() and not any(root.glob("*.ckpt")) and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
-    rows = list_checkpoints(str(root))
-    print(f"{root}:")
-    print(format_checkpoints(rows))
 
 
 def find_checkpoint(which: str, directory: str | os.PathLike) -> str:
@@ -760,3 +528,43 @@ def checkpoint_versions() -> dict[str, str]:
 
     return {"torch": str(torch.__version__), "lightning": str(L.__version__),
             "transformer_engine": str(te_version())}
+
+
+# ---------------------------------------------------------------------------------- listing
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def describe_checkpoint(path: Path, strict: bool = False) -> dict[str, Any]:
+    """One row for ``checkpoints``: step, tokens, val loss (and the step it was measured at),
+    precision, size; or the error (raised where ``strict``)."""
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
+        else path.stat().st_size
+    row: dict[str, Any] = {"file": path.name + ("/" if path.is_dir() else ""), "size": size}
+    try:
+        ckpt = load_checkpoint_file(path, mmap=True)
+    except (CheckpointError, FileNotFoundError) as err:
+        if strict:
+            raise
+        # "checkpoint 'PATH' is truncated ..." -> "truncated ..." (errors naming a file inside a
+        # sharded checkpoint keep its name)
+        row["error"] = re.sub(f"^checkpoint {re.escape(repr(str(path)))} (is )?", "", str(err))
+        return row
+    meta = ckpt.get("fp8_lightning", {})
+    row.update(step=ckpt.get("global_step"), tokens=ckpt.get("tokens_seen"),
+               val_loss=meta.get("val_loss"), val_step=meta.get("val_step"),
+               precision=meta.get("precision", "?"), model=meta.get("config", {}).get("name", "?"))
+    return row
+
+
+def list_checkpoints(directory: str) -> list[dict[str, Any]]:
+    """Rows describing every ``*.ckpt`` in ``directory``, oldest step first."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    rows = [describe_checkpoint(p) for p in sorted(root.glob("*.ckpt")) if not p.name.startswith(".")]
+    return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0, r["file"]))

@@ -26,15 +26,17 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from .bench import bench
-from .checkpoint import (Checkpoint, CheckpointError, checkpoints, consolidate,
-                         find_checkpoint, load_checkpoint_file, recorded_config)
+from .callbacks.checkpoint import Checkpoint
+from .callbacks.guard import NonFiniteTrainingError
+from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint_file, recorded_config
+from .commands.bench import bench
+from .commands.checkpoints import checkpoints, consolidate
+from .commands.doctor import doctor
 from .config import ConfigError, UsageError
-from .data import TokenShardDataModule, prepare
+from .data.prepare import prepare
+from .data.streaming import TokenShardDataModule
 from .fp8 import REMOVED_KEYS, FP8UnavailableError
-from .doctor import doctor
 from .module import GPTLightningModule
-from .safety import NonFiniteTrainingError
 
 log = logging.getLogger("fp8_lightning")
 
@@ -324,13 +326,13 @@ def doctor_command(argv: list[str]) -> None:
 
 
 def generate_command(argv: list[str]) -> None:
-    from .generate import generate
+    from .commands.generate import generate
 
     print(_run_function(generate, argv))
 
 
 def compare_command(argv: list[str]) -> None:
-    from .compare import compare
+    from .commands.compare import compare
 
     # `compare RUN_DIR ... --labels A B ...` (positional runs, several labels after one flag) as
     # well as jsonargparse's own `--run_dirs+ RUN_DIR` / `--labels [A,B]`.
@@ -354,7 +356,7 @@ def compare_command(argv: list[str]) -> None:
 
 
 def convert_command(argv: list[str]) -> None:
-    from .hf import convert
+    from .commands.convert import convert
 
     # `convert --from-hf DIR OUT.ckpt` / `--to-hf CKPT DIR`: dashes as the README spells them,
     # and the output as the one positional argument.

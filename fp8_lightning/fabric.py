@@ -16,7 +16,7 @@ and restored like a module::
     fabric.save(path, state)
     fabric.load(path, state)  # after fabric.setup (before works too: applied at set-up)
 
-:class:`FabricNaNGuard` is :class:`~fp8_lightning.safety.NaNGuard` driven from a Fabric loop.
+:class:`FabricNaNGuard` is :class:`~fp8_lightning.callbacks.guard.NaNGuard` driven from a Fabric loop.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from .config import ConfigError
 from .fp8 import FP8PrecisionBase
-from .safety import NaNGuard
+from .callbacks.guard import NaNGuard
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
@@ -100,7 +100,7 @@ class _FabricLoop:
 
 
 class FabricNaNGuard(NaNGuard):
-    """:class:`~fp8_lightning.safety.NaNGuard` for a ``lightning.Fabric`` loop: the same policy
+    """:class:`~fp8_lightning.callbacks.guard.NaNGuard` for a ``lightning.Fabric`` loop: the same policy
     (skip non-finite steps on the device; after ``max_bad_steps`` within ``window`` roll back to
     the in-memory snapshot and train BF16 for ``bf16_steps``; in BF16 stop with
     ``NonFiniteTrainingError``), driven by three calls::
@@ -127,7 +127,7 @@ class FabricNaNGuard(NaNGuard):
             other optimizers are checked on the host every step).
         check_every: steps between host reads of the flags (one small transfer each).
         rollback: ``memory`` or ``none`` (``checkpoint`` needs the Trainer's checkpoint callbacks).
-        The others: as :class:`~fp8_lightning.safety.NaNGuard`.
+        The others: as :class:`~fp8_lightning.callbacks.guard.NaNGuard`.
     """
 
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, *,

@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fp8_lightning.compare import read_run, summary
+from fp8_lightning.commands.compare import read_run, summary
 
 
 def main(out: str) -> None:

@@ -18,7 +18,7 @@ def epochs(tag, loader, n=3):
 
 
 def main():
-    from fp8_lightning.data import TokenShardDataModule
+    from fp8_lightning.data.streaming import TokenShardDataModule
 
     import tempfile
 

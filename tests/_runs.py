@@ -58,7 +58,8 @@ def shared_dir(tmp_path_factory, name, make):
 
 
 def _prepare_bytes_data(root: Path) -> None:
-    from fp8_lightning.data import EMBEDDED_CORPUS, prepare, preserved_rng
+    from fp8_lightning.data.prepare import prepare
+    from fp8_lightning.data.streaming import EMBEDDED_CORPUS, preserved_rng
 
     (root / "corpus.txt").write_text(EMBEDDED_CORPUS.read_text()[:300_000])
     with preserved_rng():

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fp8_lightning.fp8 import FP8Precision
-from fp8_lightning.bench import DEFAULT_VARIANTS, bench, fp8_plugin_args, load_run_config, \
-    parse_variant
+from fp8_lightning.commands.bench import bench
+from fp8_lightning.commands.run_config import fp8_plugin_args, load_run_config
+from fp8_lightning.measure import DEFAULT_VARIANTS, parse_variant
 from fp8_lightning.config import ConfigError, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_variant_names():
 
 
 def test_the_residual_and_checkpointing_suffixes_reach_the_model_the_step_trains():
-    from fp8_lightning.bench import build_step
+    from fp8_lightning.measure import build_step
 
     config = GPTConfig.from_name("tiny")
     for name, fp32 in (("torch-eager", True), ("torch-eager-bf16res", False)):

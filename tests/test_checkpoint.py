@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import fp8_lightning.checkpoint as checkpoint_module
-from fp8_lightning.checkpoint import (AtomicCheckpointIO, Checkpoint, CheckpointError,
-                                      atomic_torch_save, find_checkpoint, format_checkpoints,
-                                      list_checkpoints, load_checkpoint_file,
+from fp8_lightning.callbacks.checkpoint import Checkpoint
+from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
+                                      find_checkpoint, list_checkpoints, load_checkpoint_file,
                                       remove_stale_temporaries)
+from fp8_lightning.commands.checkpoints import format_checkpoints
 from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.te_support import fallback_precision
@@ -382,7 +383,7 @@ def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, small_
 
 def test_data_state_mismatch_names_the_field():
     from fp8_lightning.config import ConfigError
-    from fp8_lightning.data import TokenShardDataModule
+    from fp8_lightning.data.streaming import TokenShardDataModule
 
     data = TokenShardDataModule(seq_len=64, batch_size=4)
     state = dict(TokenShardDataModule(seq_len=128, batch_size=4).state_dict(), seed=7)

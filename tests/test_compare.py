@@ -6,9 +6,9 @@ import pytest
 from _runs import run_cli
 from test_monitor import LINE, logged_fit
 
-from fp8_lightning import monitor as M
+from fp8_lightning import logs
 from fp8_lightning.cli import main
-from fp8_lightning.compare import Run, compare, format_table, read_run, summary
+from fp8_lightning.commands.compare import Run, compare, format_table, read_run, summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -86,12 +86,12 @@ def test_without_matplotlib_the_table_prints_then_one_error(two_runs, tmp_path, 
 
 def _run(label, tps, loss, paused=None, val=None):
     r = Run(label, Path("."))
-    r.scalars = {M.TOKENS_PER_SEC: list(enumerate(tps)), M.TRAIN_LOSS_MEAN: list(enumerate(loss)),
-                 M.TOKENS_SEEN: [(0, 100.0), (1, 200.0)]}
+    r.scalars = {logs.TOKENS_PER_SEC: list(enumerate(tps)), logs.TRAIN_LOSS_MEAN: list(enumerate(loss)),
+                 logs.TOKENS_SEEN: [(0, 100.0), (1, 200.0)]}
     if paused is not None:
-        r.scalars[M.PAUSED] = list(enumerate(paused))
+        r.scalars[logs.PAUSED] = list(enumerate(paused))
     if val is not None:
-        r.scalars[M.VAL_LOSS] = val
+        r.scalars[logs.VAL_LOSS] = val
     return r
 
 
@@ -115,8 +115,8 @@ def test_summary_median_tok_s_noise_and_final_loss():
     assert re.search(r"1\.02x: indistinguishable \(within noise ±\d\.\d%\)$", lines[3]), lines[3]
     # ... not a 50% one
     assert re.search(r"1\.50x \(noise ±\d\.\d%\)$", lines[4]), lines[4]
-    bf16.scalars[M.VAL_LOSS] = [(1, 4.0)]
-    fast.scalars[M.VAL_LOSS] = [(1, 4.1)]
+    bf16.scalars[logs.VAL_LOSS] = [(1, 4.0)]
+    fast.scalars[logs.VAL_LOSS] = [(1, 4.1)]
     rows = summary([bf16, fast])
     assert rows[1]["val gap"] == pytest.approx(0.025)
     assert "+2.50%" in format_table(rows).splitlines()[3]
@@ -127,11 +127,11 @@ def test_logs_from_before_loss_mean_and_paused():
     """Older logs: the last logged micro-batch as the loss (said below the table), and the windows
     around each validation left out of tok/s."""
     old = _run("old", [5.0, 100, 100, 40, 100], [9.0] * 5, val=[(2, 4.0)])
-    old.scalars[M.TRAIN_LOSS] = old.scalars.pop(M.TRAIN_LOSS_MEAN)
-    old.scalars[M.TRAIN_LOSS][-1] = (4, 8.5)
+    old.scalars[logs.TRAIN_LOSS] = old.scalars.pop(logs.TRAIN_LOSS_MEAN)
+    old.scalars[logs.TRAIN_LOSS][-1] = (4, 8.5)
     (row,) = summary([old])
     assert row["final loss"] == 8.5 and row["tok/s"] == 100.0  # windows 2 and 3 left out
-    from fp8_lightning.compare import legend
+    from fp8_lightning.commands.compare import legend
 
     assert "all runs: the logged micro-batch" in legend([old])
 
@@ -139,5 +139,5 @@ def test_logs_from_before_loss_mean_and_paused():
 def test_read_run_prefers_the_newest_version(two_runs):
     _, csv_run, _, _ = two_runs
     run = read_run(str(csv_run))
-    assert run.log_dir.name == "version_0" and M.TRAIN_LOSS_MEAN in run.scalars
+    assert run.log_dir.name == "version_0" and logs.TRAIN_LOSS_MEAN in run.scalars
     assert run.precision in ("BF16 (fallback)", "FP32 (fallback)")  # from text.jsonl

@@ -6,10 +6,11 @@ import struct
 
 import pytest
 
-from fp8_lightning import data
+from fp8_lightning.data import prepare as prepare_module
 from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError
-from fp8_lightning.data import TokenShardDataModule, prepare
+from fp8_lightning.data.prepare import prepare
+from fp8_lightning.data.streaming import TokenShardDataModule
 from fp8_lightning.tokenizer import get_tokenizer
 
 TEXT_A = "To be, or not to be, that is the question:\n" * 60
@@ -221,13 +222,13 @@ def test_prepare_refuses_an_output_dir_it_cannot_write_or_would_damage(tmp_path,
     readonly = tmp_path / "ro"
     readonly.mkdir()
     if os.geteuid() == 0:  # root writes anywhere: make the write probe fail as the OS would
-        real = data.tempfile.TemporaryFile
+        real = prepare_module.tempfile.TemporaryFile
 
         def refuse(*args, dir=None, **kwargs):
             if dir is not None and str(dir).startswith(str(readonly)):
                 raise PermissionError(13, "Permission denied")
             return real(*args, dir=dir, **kwargs)
-        monkeypatch.setattr(data.tempfile, "TemporaryFile", refuse)
+        monkeypatch.setattr(prepare_module.tempfile, "TemporaryFile", refuse)
     readonly.chmod(0o555)
     try:
         with pytest.raises(ConfigError, match=r"cannot write in .*ro \(Permission denied\)"):
@@ -262,7 +263,7 @@ def test_a_prepare_that_fails_midway_leaves_the_existing_dataset_untouched(tmp_p
 
     def crash(*args, output_dir, **kwargs):  # a worker dies after writing part of a split
         os.makedirs(output_dir)
-        (data.Path(output_dir) / "chunk-0-0.bin").write_bytes(b"partial")
+        (prepare_module.Path(output_dir) / "chunk-0-0.bin").write_bytes(b"partial")
         raise RuntimeError("worker died")
     monkeypatch.setattr(litdata, "optimize", crash)
     with pytest.raises(RuntimeError, match="worker died"):

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (Checkpoint, CheckpointError, consolidate_checkpoint,
-                                      list_checkpoints, load_checkpoint_file)
+from fp8_lightning.callbacks.checkpoint import Checkpoint
+from fp8_lightning.checkpoint import (CheckpointError, consolidate_checkpoint, list_checkpoints,
+                                      load_checkpoint_file)
 from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.cli import main
 from fp8_lightning.module import GPTLightningModule
@@ -134,8 +135,8 @@ def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_
 
 def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from fp8_lightning.generate import load_model
-    from fp8_lightning.hf import checkpoint_to_hf
+    from fp8_lightning.commands.generate import load_model
+    from fp8_lightning.commands.convert import checkpoint_to_hf
 
     last = fsdp_runs[0] / "checkpoints" / "last.ckpt"
     out = checkpoint_to_hf(str(last), str(tmp_path / "hf"))

@@ -4,7 +4,7 @@ from _runs import bytes_data, run_cli, small_vocab_fit
 
 from fp8_lightning.checkpoint import CheckpointError
 from fp8_lightning.config import ConfigError
-from fp8_lightning.generate import generate
+from fp8_lightning.commands.generate import generate
 
 
 @pytest.fixture(scope="module")

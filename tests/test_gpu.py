@@ -13,7 +13,7 @@ from fp8_lightning.fp8 import FP8Precision, fp8_modules_ran, te_gemm_modules
 from fp8_lightning.model import GPT
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
-from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 
 from tests.helpers import GPU_B, GPU_SMALL, GPU_T
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.bench import DEFAULT_VARIANTS, bench
-from fp8_lightning.doctor import EXIT_OK, doctor
+from fp8_lightning.commands.bench import bench
+from fp8_lightning.measure import DEFAULT_VARIANTS
+from fp8_lightning.commands.doctor import EXIT_OK, doctor
 from fp8_lightning.fp8 import RECIPES, get_engine
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ falls back and re-enables, and bench runs its variants."""
 import pytest
 import torch
 
-from fp8_lightning.bench import measure, parse_variant
+from fp8_lightning.measure import measure, parse_variant
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT, compile_model

@@ -8,13 +8,13 @@ import lightning as L
 import pytest
 import torch
 
-from fp8_lightning.bench import measure, parse_variant
+from fp8_lightning.measure import measure, parse_variant
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.module import GPTLightningModule
-from fp8_lightning.safety import NaNGuard
-from fp8_lightning.monitor import TrainingMonitor
+from fp8_lightning.callbacks.guard import NaNGuard
+from fp8_lightning.callbacks.monitor import TrainingMonitor
 from fp8_lightning.tokenizer import get_tokenizer
 
 from tests.helpers import StepTimer

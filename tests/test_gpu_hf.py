@@ -7,9 +7,10 @@ import lightning as L
 import pytest
 import torch
 
-from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.fp8 import FP8Precision, fp8_modules_ran
-from fp8_lightning.hf import checkpoint_to_hf, load_hf
+from fp8_lightning.commands.convert import checkpoint_to_hf
+from fp8_lightning.hf import load_hf
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 

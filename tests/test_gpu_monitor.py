@@ -11,9 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from fp8_lightning import monitor as M
+from fp8_lightning import logs
+from fp8_lightning.callbacks import monitor as M
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.data import EMBEDDED_CORPUS
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.fp8.stats import AMAX, SCALE, FP8Stats
 from fp8_lightning.module import GPTLightningModule
@@ -84,11 +85,11 @@ def test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats(tmp_path, blocks, capsys)
     assert float(steady["mfu_fp8"]) < float(steady["mfu"])  # the FP8 peak is the higher one
 
     values, texts = scalars(tmp_path)
-    for tag in (M.TOKENS_PER_SEC, M.MFU, M.MFU_FP8, M.PEAK_MEMORY, M.GRAD_NORM, M.LR,
-                M.FP8_ACTIVE, M.TRAIN_LOSS, M.VAL_LOSS):
+    for tag in (logs.TOKENS_PER_SEC, logs.MFU, logs.MFU_FP8, logs.PEAK_MEMORY, logs.GRAD_NORM, logs.LR,
+                logs.FP8_ACTIVE, logs.TRAIN_LOSS, logs.VAL_LOSS):
         assert tag in values, tag
-    assert values[M.FP8_ACTIVE] == [1.0] * 6
-    assert f"{M.SAMPLES}/text_summary" in texts and texts[f"{M.SAMPLES}/text_summary"][0].strip()
+    assert values[logs.FP8_ACTIVE] == [1.0] * 6
+    assert f"{logs.SAMPLES}/text_summary" in texts and texts[f"{logs.SAMPLES}/text_summary"][0].strip()
     amax = {t: v for t, v in values.items() if t.startswith(AMAX + "/")}
     scale = {t: v for t, v in values.items() if t.startswith(SCALE + "/")}
     # 12 blocks x (qkv, proj, mlp.fc1, mlp.fc2) x (input, weight, grad_output); lm_head stays BF16
@@ -148,7 +149,7 @@ def test_monitoring_overhead(tmp_path, blocks, capsys):
 
 
 def test_generate_from_an_fp8_checkpoint_on_te_and_on_cpu(tmp_path, blocks):
-    from fp8_lightning.generate import generate
+    from fp8_lightning.commands.generate import generate
 
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=2, block_size=128),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fp8_lightning import module as module_lib
-from fp8_lightning.bench import build_step, parse_variant
+from fp8_lightning.measure import build_step, parse_variant
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.module import GPTLightningModule
 

@@ -10,7 +10,8 @@ import yaml
 from _runs import small_vocab_fit
 
 from fp8_lightning import flops
-from fp8_lightning import monitor as M
+from fp8_lightning import logs
+from fp8_lightning.callbacks import monitor as M
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.fp8.stats import (BF16_SUFFIX, FP8Stats, debug_config, default_stats,
@@ -157,25 +158,25 @@ def test_console_lines_in_a_cpu_fit(fit_run):
 def test_tensorboard_scalars_after_a_short_fit(fit_run):
     out, result = fit_run
     scalars, texts = tensorboard(out)
-    for tag in (M.TRAIN_LOSS, M.TRAIN_LOSS_MEAN, M.VAL_LOSS, M.VAL_PPL, M.LR, M.GRAD_NORM,
-                M.TOKENS_SEEN, M.TOKENS_PER_SEC, M.STEP_TIME_MS, M.PAUSED, M.FP8_ACTIVE,
-                M.FALLBACK_EVENTS, M.HP_METRIC):
+    for tag in (logs.TRAIN_LOSS, logs.TRAIN_LOSS_MEAN, logs.VAL_LOSS, logs.VAL_PPL, logs.LR, logs.GRAD_NORM,
+                logs.TOKENS_SEEN, logs.TOKENS_PER_SEC, logs.STEP_TIME_MS, logs.PAUSED, logs.FP8_ACTIVE,
+                logs.FALLBACK_EVENTS, logs.HP_METRIC):
         assert tag in scalars, (tag, sorted(scalars))
     # the monitor logs on Lightning's own step axis: train/loss and tokens_seen line up
-    assert set(scalars[M.TOKENS_SEEN]) == set(scalars[M.TRAIN_LOSS]) == {4, 9}
-    assert scalars[M.TOKENS_SEEN] == {4: 5 * 8 * 128, 9: 10 * 8 * 128}
-    assert scalars[M.FP8_ACTIVE] == {4: 0.0, 9: 0.0}
+    assert set(scalars[logs.TOKENS_SEEN]) == set(scalars[logs.TRAIN_LOSS]) == {4, 9}
+    assert scalars[logs.TOKENS_SEEN] == {4: 5 * 8 * 128, 9: 10 * 8 * 128}
+    assert scalars[logs.FP8_ACTIVE] == {4: 0.0, 9: 0.0}
     # the console line's loss, logged as it was printed
     printed = [float(LINE.match(l)["loss"]) for l in console_lines(result.stdout) if LINE.match(l)]
-    assert [round(scalars[M.TRAIN_LOSS_MEAN][s], 4) for s in (4, 9)] == printed
-    assert scalars[M.PAUSED] == {4: 0.0, 9: 0.0}  # validation and checkpoints come after step 10
-    assert scalars[M.FALLBACK_EVENTS][9] == 1.0  # FP8 unavailable here
-    assert scalars[M.HP_METRIC][9] == pytest.approx(scalars[M.VAL_LOSS][9])
-    assert M.MFU not in scalars and M.PEAK_MEMORY not in scalars  # CPU: no peak, no CUDA
-    assert texts[f"{M.SAMPLES}/text_summary"][0].strip().startswith("ROMEO:")
-    assert texts[f"{M.PRECISION_TEXT}/text_summary"][0].startswith(("BF16 (fallback: ", "FP32 (fallback: "))
-    assert "unavailable" in texts[f"{M.FP8_EVENTS_TEXT}/text_summary"][0]
-    config = texts[f"{M.CONFIG_TEXT}/text_summary"][0]
+    assert [round(scalars[logs.TRAIN_LOSS_MEAN][s], 4) for s in (4, 9)] == printed
+    assert scalars[logs.PAUSED] == {4: 0.0, 9: 0.0}  # validation and checkpoints come after step 10
+    assert scalars[logs.FALLBACK_EVENTS][9] == 1.0  # FP8 unavailable here
+    assert scalars[logs.HP_METRIC][9] == pytest.approx(scalars[logs.VAL_LOSS][9])
+    assert logs.MFU not in scalars and logs.PEAK_MEMORY not in scalars  # CPU: no peak, no CUDA
+    assert texts[f"{logs.SAMPLES}/text_summary"][0].strip().startswith("ROMEO:")
+    assert texts[f"{logs.PRECISION_TEXT}/text_summary"][0].startswith(("BF16 (fallback: ", "FP32 (fallback: "))
+    assert "unavailable" in texts[f"{logs.FP8_EVENTS_TEXT}/text_summary"][0]
+    config = texts[f"{logs.CONFIG_TEXT}/text_summary"][0]
     assert "| model.config.name | tiny |" in config and "| fp8.recipe | delayed |" in config
     assert "| model.learning_rate | 0.003 |" in config
 
@@ -238,17 +239,17 @@ def test_csv_logger_keeps_text_in_text_jsonl_with_one_warning(tmp_path):
     log_dir = tmp_path / "lightning_logs" / "version_0"
     said = [str(w.message) for w in caught if "no text support" in str(w.message)]
     assert said == [f"CSVLogger has no text support: text entries (samples, fp8/events, "
-                    f"guard/events, run/config) go to {log_dir / M.TEXT_FILE}"]
-    entries = [json.loads(l) for l in (log_dir / M.TEXT_FILE).read_text().splitlines()]
+                    f"guard/events, run/config) go to {log_dir / logs.TEXT_FILE}"]
+    entries = [json.loads(l) for l in (log_dir / logs.TEXT_FILE).read_text().splitlines()]
     tags = {e["tag"] for e in entries}
-    assert {M.SETUP_TEXT, M.PRECISION_TEXT, M.CONFIG_TEXT, M.FP8_EVENTS_TEXT, M.SAMPLES} <= tags
-    assert "| model.config.name | tiny |" in next(e["text"] for e in entries if e["tag"] == M.CONFIG_TEXT)
-    assert next(e for e in entries if e["tag"] == M.SAMPLES)["text"].strip().startswith("The")
+    assert {logs.SETUP_TEXT, logs.PRECISION_TEXT, logs.CONFIG_TEXT, logs.FP8_EVENTS_TEXT, logs.SAMPLES} <= tags
+    assert "| model.config.name | tiny |" in next(e["text"] for e in entries if e["tag"] == logs.CONFIG_TEXT)
+    assert next(e for e in entries if e["tag"] == logs.SAMPLES)["text"].strip().startswith("The")
     # the scalars are in metrics.csv, the console line's loss among them
     rows = list(csv.DictReader(open(log_dir / "metrics.csv")))
-    means = [float(r[M.TRAIN_LOSS_MEAN]) for r in rows if r.get(M.TRAIN_LOSS_MEAN)]
+    means = [float(r[logs.TRAIN_LOSS_MEAN]) for r in rows if r.get(logs.TRAIN_LOSS_MEAN)]
     assert [f"{m:.4f}" for m in means] == [LINE.match(l)["loss"] for l in monitor.lines]
-    paused = [float(r[M.PAUSED]) for r in rows if r.get(M.PAUSED)]
+    paused = [float(r[logs.PAUSED]) for r in rows if r.get(logs.PAUSED)]
     assert paused == [0.0, 0.0, 1.0]  # steps 2, 4; the window of step 6 held the validation
 
 
@@ -283,11 +284,11 @@ def test_log_text_uses_each_loggers_api_and_warns_about_the_rest(tmp_path, monke
     tb = TensorBoardLogger(tmp_path, name="tb")
     trainer = SimpleNamespace(is_global_zero=True, global_step=7, fit_loop=None,
                               loggers=[tb, wandb, FakeMLflow(), _NoText()])
-    monkeypatch.setattr(M, "_TEXT_WARNED", set())
+    monkeypatch.setattr(logs, "_TEXT_WARNED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        M.log_text(trainer, "samples", "hello")
-        M.log_text(trainer, "samples", "again")
+        logs.log_text(trainer, "samples", "hello")
+        logs.log_text(trainer, "samples", "again")
     assert calls[0] == ("wandb", {"key": "samples", "columns": ["step", "text"],
                                   "data": [[7, "hello"]], "step": 7})
     assert calls[1] == ("mlflow", ("run1", "hello", "text/samples/step_00000007.md"))
@@ -295,9 +296,9 @@ def test_log_text_uses_each_loggers_api_and_warns_about_the_rest(tmp_path, monke
     assert len(said) == 1 and said[0].startswith("_NoText has no text support and no log_dir")
     tb.experiment.flush()
     assert list(Path(tb.log_dir).glob("events.out.tfevents.*"))
-    assert not (tmp_path / M.TEXT_FILE).exists()
+    assert not (tmp_path / logs.TEXT_FILE).exists()
     trainer.is_global_zero = False  # other ranks log nothing
-    M.log_text(trainer, "samples", "rank 1")
+    logs.log_text(trainer, "samples", "rank 1")
     assert len(calls) == 4
 
 

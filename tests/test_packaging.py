@@ -96,8 +96,8 @@ def test_training_and_compare_tables_need_no_matplotlib():
     """Without the [plots] extra: the package, the CLI, bench and compare import; drawing is one
     clear error naming the extra."""
     code = NO_MATPLOTLIB + (
-        "import fp8_lightning, fp8_lightning.cli, fp8_lightning.compare, fp8_lightning.bench\n"
-        "from fp8_lightning.compare import MissingExtraError, pyplot\n"
+        "import fp8_lightning, fp8_lightning.cli, fp8_lightning.commands.compare, fp8_lightning.commands.bench\n"
+        "from fp8_lightning.plots import MissingExtraError, pyplot\n"
         "try:\n    pyplot('x')\nexcept MissingExtraError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
                             capture_output=True, timeout=300)

@@ -1,6 +1,6 @@
 import pytest
 
-from fp8_lightning.data import EMBEDDED_CORPUS, EMBEDDED_SHA256
+from fp8_lightning.data.streaming import EMBEDDED_CORPUS, EMBEDDED_SHA256
 from fp8_lightning.tokenizer import ASSETS, GPT2_FILES, get_tokenizer, same_tokenizer, sha256
 
 

@@ -27,7 +27,7 @@ def candidates(attention: str) -> list[str]:
 def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
     """The fastest candidate's recipe (``None``: BF16, or nothing ran) and the figures, fastest
     first (``ms per step``; candidates that could not run are listed as such)."""
-    from ..bench import parse_variant
+    from ..measure import parse_variant
 
     ran = sorted(((ms, name) for name, ms in timings.items() if ms is not None))
     figures = ", ".join(f"{name} {ms:.2f} ms" for ms, name in ran)
@@ -42,7 +42,7 @@ def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
 def probe(config: Any, batch_size: int, seq_len: int, attention: str, *, steps: int = 5,
           warmup: int = 3) -> dict[str, Optional[float]]:
     """ms per training step of each candidate on this GPU (``None``: it could not run here)."""
-    from ..bench import measure, parse_variant, skip_reason
+    from ..measure import measure, parse_variant, skip_reason
 
     device = torch.device("cuda")
     timings: dict[str, Optional[float]] = {}

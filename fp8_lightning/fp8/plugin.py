@@ -276,7 +276,7 @@ class FP8PrecisionBase(FabricPrecision):
             log.info("fp8_layers=auto times TE's GEMMs; engine %s: every layer the policy "
                      "allows runs FP8", self.engine.name)
             return {}
-        from ..doctor import Gemm, time_gemm
+        from ..measure import Gemm, time_gemm
         from .policy import slower_in_fp8
         from .te_engine import make_te_recipe
 

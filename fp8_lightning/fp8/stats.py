@@ -44,7 +44,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..monitor import log_metrics
+from ..logs import log_metrics
 from .plugin import fp8_plugin
 from .policy import find_gpt, runs_bf16
 from .te_engine import recipe_available, te_gemm_modules

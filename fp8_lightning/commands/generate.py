@@ -14,9 +14,9 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from .checkpoint import consolidate_checkpoint, recorded_config
-from .config import ConfigError
-from .model import GPT
+from ..checkpoint import consolidate_checkpoint, recorded_config
+from ..config import ConfigError
+from ..model import GPT
 
 
 def load_checkpoint(ckpt: str) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def load_checkpoint(ckpt: str) -> dict[str, Any]:
 def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
                ) -> tuple[GPT, dict[str, Any], torch.device]:
     """The GPT of a checkpoint on ``device`` (``auto``/``cpu``/``cuda``) with ``backend``."""
-    from .te_support import te_status
+    from ..te_support import te_status
 
     problems = []
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
@@ -89,7 +89,7 @@ def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature
         backend: ``auto`` (TE on a GPU with TE, else PyTorch), ``te`` or ``torch``.
         tokenizer: ``gpt2`` or a tokenizer.json (default: the one the checkpoint was trained with).
     """
-    from .tokenizer import get_tokenizer
+    from ..tokenizer import get_tokenizer
 
     problems = []
     if max_new_tokens < 0:

@@ -1,7 +1,7 @@
 """``python -m fp8_lightning compare RUN_DIR RUN_DIR [...]``: the FP8-vs-BF16 comparison.
 
 Reads each run's logs, TensorBoard event files or a CSVLogger's ``metrics.csv`` (the scalars
-``TrainingMonitor`` and the LightningModule write, see :mod:`fp8_lightning.monitor`), prints a
+``TrainingMonitor`` and the LightningModule write, see :mod:`fp8_lightning.logs`), prints a
 table and writes one PNG:
 
 * **final loss**: the console's last line, the mean training loss over that line's window
@@ -29,36 +29,16 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from .config import ConfigError
-from .monitor import (FP8_ACTIVE, PAUSED, PRECISION_TEXT, TEXT_FILE, TOKENS_PER_SEC, TOKENS_SEEN,
-                      TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS)
+from ..config import ConfigError
+from ..logs import (FP8_ACTIVE, PAUSED, PRECISION_TEXT, TEXT_FILE, TOKENS_PER_SEC, TOKENS_SEEN,
+                   TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS)
+from ..plots import pyplot
 
 Series = list[tuple[int, float]]  # (step, value)
 EVENTS = "events.out.tfevents.*"
 METRICS_CSV = "metrics.csv"  # CSVLogger's file
-PLOTS_EXTRA = 'pip install "fp8-lightning[plots]"'
-
-
-class MissingExtraError(ConfigError):
-    """An optional dependency a command needs is not installed (one ``error:`` line)."""
-
-    def __init__(self, message: str) -> None:
-        ValueError.__init__(self, message)
-        self.problems = [message]
-
-
-def pyplot(what: str) -> Any:
-    """``matplotlib.pyplot`` on the file backend; a one-line error naming the extra without it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingExtraError(f"{what} needs matplotlib: {PLOTS_EXTRA}") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 @dataclass

@@ -2,8 +2,9 @@
 runs in its worker processes.
 
 A module of its own that imports no Lightning: the workers are spawned, and each one imports the
-module of the function it runs. Importing ``fp8_lightning.data`` there (Lightning, the whole
-package) cost each worker about 10 s on a 2-core CPU, per split and per ``prepare``.
+module of the function it runs (and its package's ``__init__``, which imports nothing). Importing
+Lightning and the whole package there cost each worker about 10 s on a 2-core CPU, per split and
+per ``prepare``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Iterator
 
 import torch
 
-from .config import ConfigError
-from .tokenizer import get_tokenizer
+from ..config import ConfigError
+from ..tokenizer import get_tokenizer
 
 
 def _not_utf8(where: str, offset: int) -> ConfigError:

@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import warnings
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bench import (RunConfig, check_fp8_plugin, environment, free_memory,
-                    load_run_config, measure, parse_variant, positive_int_problems)
-from .config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
-from .fp8 import BACKEND, RECIPES, bf16_module_names, build_recipe_config, get_engine, \
+from ..config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
+from ..fp8 import BACKEND, RECIPES, bf16_module_names, build_recipe_config, get_engine, \
     make_te_recipe
-from .model import GPT
-from .te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
+from ..measure import Gemm, environment, free_memory, measure, parse_variant, time_gemm
+from ..model import GPT
+from ..te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
                          te_status)
+from .run_config import RunConfig, check_fp8_plugin, load_run_config, positive_int_problems
 
 EXIT_OK, EXIT_FP8_UNUSABLE, EXIT_BAD_CONFIG = 0, 1, 2
 FP8_NEEDS = (f"FP8 needs an NVIDIA GPU with compute capability >= {MIN_FP8_CAPABILITY[0]}."
@@ -247,20 +246,6 @@ def report_lint(run: RunConfig, result: Lint) -> None:
         _say("  no errors")
 
 
-# --------------------------------------------------------------------------------- probe
-@dataclass
-class Gemm:
-    """One distinct GEMM shape of the model: ``tokens x n_in -> n_out``, and how many of them run
-    FP8 / stay BF16 under the layer policy."""
-
-    label: str
-    n_in: int
-    n_out: int
-    bias: bool
-    fp8: int = 0
-    bf16: int = 0
-
-
 def model_gemms(config: GPTConfig, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
                 bf16_last_layers: int = 0) -> list[Gemm]:
     """The model's distinct GEMM shapes with counts (from a meta-device model: no memory)."""
@@ -288,48 +273,6 @@ def model_gemms(config: GPTConfig, fp8_lm_head: bool = False, bf16_first_layers:
             else:
                 gemm.fp8 += 1
     return list(gemms.values())
-
-
-def gpu_kernel_ms(fn: Any, reps: int) -> float:
-    """GPU kernel time (ms) of one ``fn()`` call: the profiler's device time of ``reps`` calls.
-
-    Not wall time: a lone small ``te.Linear`` call is dominated by TE's per-call CPU work, which
-    in a real training step overlaps the GPU work of the layers before it (measured: wall-time
-    probing predicted 0.69x for a model whose real FP8 step was 1.02x).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    # Each kernel's time is "self" time of exactly one op: the sum counts every kernel once.
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
-
-
-def time_gemm(gemm: Gemm, tokens: int, recipe: Any, *, warmup: int = 3, reps: int = 10) -> float:
-    """GPU milliseconds for one forward + backward (dgrad, wgrad) of a ``te.Linear`` of this
-    shape, fp32 weights under BF16 autocast as in training; FP8 when ``recipe`` is a TE recipe
-    (its quantisation kernels and scaling update included)."""
-    te = te_module()
-    linear = te.Linear(gemm.n_in, gemm.n_out, bias=gemm.bias, device="cuda")
-    x = torch.randn(tokens, gemm.n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, gemm.n_out, device="cuda", dtype=torch.bfloat16)
-
-    def fwd_bwd() -> None:
-        with ExitStack() as stack:
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-            if recipe is not None:
-                stack.enter_context(te.autocast(enabled=True, recipe=recipe))
-            y = linear(x)
-        y.backward(grad)
-        x.grad = None
-        for p in linear.parameters():
-            p.grad = None
-
-    for _ in range(warmup):
-        fwd_bwd()
-    return gpu_kernel_ms(fwd_bwd, reps)
 
 
 def predict(gemms: list[Gemm], times: dict[str, list[Optional[float]]], step_ms: Optional[float]
