@@ -110,7 +110,7 @@ def test_the_clip_folded_into_fused_adamw_is_the_separate_clip(max_norm):
 def test_the_memory_check_sees_the_runs_precision_accumulation_compile_and_checkpointing():
     """What the memory check estimates for (fp8_lightning/memory.py): read from the Trainer,
     the FP8 plugin and the data module as a fit configures them."""
-    from fp8_lightning.data import TokenShardDataModule
+    from fp8_lightning.data.streaming import TokenShardDataModule
     from fp8_lightning.fp8 import FP8Precision
 
     data = TokenShardDataModule(batch_size=4, seq_len=64)
