@@ -1,11 +1,12 @@
-"""Measuring training where it runs: ``fit``'s own step timed per variant, and one GEMM timed.
+"""Measuring training where it runs: ``fit``'s own step, timed per variant.
 
 The library behind ``bench`` (:mod:`fp8_lightning.commands.bench`), ``doctor``
-(:mod:`fp8_lightning.commands.doctor`) and the FP8 component's measured choices (``engine: auto``,
-``fp8_layers: auto``): a variant name (:func:`parse_variant`) says which backend, recipe,
-attention and options; :func:`build_step` builds ``fit``'s training step for it through
-``GPTLightningModule`` and ``FP8Precision``; :func:`measure` times it (CUDA events, host time,
-peak memory) and never raises; :func:`time_gemm` times one linear layer's forward and backward.
+(:mod:`fp8_lightning.commands.doctor`) and ``engine: auto`` (:mod:`fp8_lightning.fp8.auto`): a
+variant name (:func:`parse_variant`) says which backend, recipe, attention and options;
+:func:`build_step` builds ``fit``'s training step for it through the training module it is
+given (``GPTLightningModule``; passed in, so that this module does not import it) and
+``FP8Precision``; :func:`measure` times it (CUDA events, host time, peak memory) and never
+raises. One GEMM shape is timed by :mod:`fp8_lightning.fp8.gemm_timing`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
@@ -29,7 +30,7 @@ import torch
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
 from .fp8 import BACKEND, RECIPES, FP8Precision, get_engine
-from .te_support import te_module, te_status, te_version
+from .te_support import te_status, te_version
 
 log = logging.getLogger(__name__)
 
@@ -174,21 +175,20 @@ class _Timer:
 
 
 def build_step(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
-               device: torch.device, fp8_args: Optional[dict[str, Any]] = None,
+               device: torch.device, module_class: type, fp8_args: Optional[dict[str, Any]] = None,
                total_steps: int = 100) -> tuple[Callable[[], torch.Tensor], Any]:
     """One ``fit`` training step of ``variant`` on synthetic tokens, built through the training
-    code itself: ``GPTLightningModule`` (its loss path and compile setting), its optimizer and
-    schedule, gradient-norm clipping as the shipped configs set it, and for FP8 variants the
-    ``FP8Precision`` plugin's conversion and step context. Returns ``(step, plugin or None)``."""
-    from .module import GPTLightningModule
-
+    code itself: ``module_class`` (``GPTLightningModule``: its loss path and compile setting),
+    its optimizer and schedule, gradient-norm clipping as the shipped configs set it, and for FP8
+    variants the ``FP8Precision`` plugin's conversion and step context. Returns
+    ``(step, plugin or None)``."""
     if variant.fp32_residual is not None:
         config = replace(config, fp32_residual=variant.fp32_residual)
-    module = GPTLightningModule(config, backend=variant.backend, attention=variant.attention,
-                                compile=variant.compile, cuda_graphs=None if variant.graphs else False,
-                                activation_checkpointing=variant.activation_checkpointing,
-                                warmup_steps=min(10, total_steps),
-                                lr_decay_steps=total_steps)
+    module = module_class(config, backend=variant.backend, attention=variant.attention,
+                          compile=variant.compile, cuda_graphs=None if variant.graphs else False,
+                          activation_checkpointing=variant.activation_checkpointing,
+                          warmup_steps=min(10, total_steps),
+                          lr_decay_steps=total_steps)
     # The Trainer builds the model under the strategy's device context; TE modules go to CUDA.
     with torch.device(device) if variant.backend == "torch" else nullcontext():
         module.configure_model()
@@ -305,7 +305,7 @@ def host_profile(step: Callable[[], Any], steps: int = 3, top: int = 12) -> list
 
 
 def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
-                steps: int, warmup: int, device: torch.device,
+                steps: int, warmup: int, device: torch.device, module_class: type,
                 fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
                 profile: bool = False) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` ones; returns the variant's figures.
@@ -318,7 +318,8 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
         torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device)
     step, plugin = build_step(variant, config, batch_size, seq_len, device=device,
-                              fp8_args=fp8_args, total_steps=warmup + steps + 8)
+                              module_class=module_class, fp8_args=fp8_args,
+                              total_steps=warmup + steps + 8)
     for _ in range(warmup):
         step()
     timer = _Timer(device)
@@ -356,14 +357,15 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
 
 
 def measure(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
-            steps: int, warmup: int, device: torch.device,
+            steps: int, warmup: int, device: torch.device, module_class: type,
             fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
             profile: bool = False) -> dict[str, Any]:
     """:func:`run_variant` that never raises: out of memory is a skip, any other error a
     failure with its reason; the variant's memory is freed before returning."""
     try:
         result = run_variant(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
-                             device=device, fp8_args=fp8_args, seed=seed, profile=profile)
+                             device=device, module_class=module_class, fp8_args=fp8_args,
+                             seed=seed, profile=profile)
     except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the table
         message = str(err).strip().splitlines()
         if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
@@ -435,59 +437,3 @@ def environment(device: Optional[torch.device] = None) -> dict[str, Any]:
     if device.type == "cuda":
         env["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability(device)
     return env
-
-
-# --------------------------------------------------------------------------------- probe
-@dataclass
-class Gemm:
-    """One distinct GEMM shape of the model: ``tokens x n_in -> n_out``, and how many of them run
-    FP8 / stay BF16 under the layer policy."""
-
-    label: str
-    n_in: int
-    n_out: int
-    bias: bool
-    fp8: int = 0
-    bf16: int = 0
-
-
-def gpu_kernel_ms(fn: Any, reps: int) -> float:
-    """GPU kernel time (ms) of one ``fn()`` call: the profiler's device time of ``reps`` calls.
-
-    Not wall time: a lone small ``te.Linear`` call is dominated by TE's per-call CPU work, which
-    in a real training step overlaps the GPU work of the layers before it (measured: wall-time
-    probing predicted 0.69x for a model whose real FP8 step was 1.02x).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    # Each kernel's time is "self" time of exactly one op: the sum counts every kernel once.
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
-
-
-def time_gemm(gemm: Gemm, tokens: int, recipe: Any, *, warmup: int = 3, reps: int = 10) -> float:
-    """GPU milliseconds for one forward + backward (dgrad, wgrad) of a ``te.Linear`` of this
-    shape, fp32 weights under BF16 autocast as in training; FP8 when ``recipe`` is a TE recipe
-    (its quantisation kernels and scaling update included)."""
-    te = te_module()
-    linear = te.Linear(gemm.n_in, gemm.n_out, bias=gemm.bias, device="cuda")
-    x = torch.randn(tokens, gemm.n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, gemm.n_out, device="cuda", dtype=torch.bfloat16)
-
-    def fwd_bwd() -> None:
-        with ExitStack() as stack:
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-            if recipe is not None:
-                stack.enter_context(te.autocast(enabled=True, recipe=recipe))
-            y = linear(x)
-        y.backward(grad)
-        x.grad = None
-        for p in linear.parameters():
-            p.grad = None
-
-    for _ in range(warmup):
-        fwd_bwd()
-    return gpu_kernel_ms(fwd_bwd, reps)

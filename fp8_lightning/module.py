@@ -267,10 +267,13 @@ class GPTLightningModule(L.LightningModule):
             return
         if plugin.auto:
             several = self._trainer.world_size > 1
-            backend = plugin.choose_engine(self.config, getattr(datamodule, "batch_size", 8),
-                                           getattr(datamodule, "seq_len", self.config.block_size),
-                                           self.attention,
-                                           self._trainer.strategy.broadcast if several else None)
+            from .fp8.auto import choose_engine
+
+            backend = choose_engine(plugin, type(self), self.config,
+                                    getattr(datamodule, "batch_size", 8),
+                                    getattr(datamodule, "seq_len", self.config.block_size),
+                                    self.attention,
+                                    self._trainer.strategy.broadcast if several else None)
         else:
             backend = plugin.engine.backend
         if backend != self.backend_name and (backend == "torch" or te_status()[0]):

@@ -15,6 +15,7 @@ from fp8_lightning.commands.bench import bench
 from fp8_lightning.commands.run_config import fp8_plugin_args, load_run_config
 from fp8_lightning.measure import DEFAULT_VARIANTS, parse_variant
 from fp8_lightning.config import ConfigError, GPTConfig
+from fp8_lightning.module import GPTLightningModule
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -101,11 +102,12 @@ def test_the_residual_and_checkpointing_suffixes_reach_the_model_the_step_trains
 
     config = GPTConfig.from_name("tiny")
     for name, fp32 in (("torch-eager", True), ("torch-eager-bf16res", False)):
-        step, _ = build_step(parse_variant(name), config, 2, 16, device=torch.device("cpu"))
+        step, _ = build_step(parse_variant(name), config, 2, 16, device=torch.device("cpu"),
+                             module_class=GPTLightningModule)
         assert step.module.model.fp32_residual is fp32, name
         assert torch.isfinite(step())
     step, _ = build_step(parse_variant("torch-eager-ac-full"), config, 2, 16,
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), module_class=GPTLightningModule)
     assert step.module.model.checkpointed == {0, 1} and torch.isfinite(step())
 
 

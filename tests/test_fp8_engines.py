@@ -10,7 +10,9 @@ import torch
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.fp8 import (BACKEND, ENGINES, RECIPES, FP8Precision, build_recipe_config,
                                fp8_plugin, get_engine, recipe_names)
+from fp8_lightning.fp8.auto import choose_engine
 from fp8_lightning.model import GPT
+from fp8_lightning.module import GPTLightningModule
 
 torchao = pytest.importorskip("torchao")  # the [torchao] extra, part of [dev]
 CONFIG = GPTConfig(name="tiny", n_layer=2, vocab_size=512)
@@ -117,7 +119,8 @@ def test_auto_measures_only_where_it_can_and_says_so():
         FP8Precision(engine="auto", recipe="delayed")
     plugin = FP8Precision(engine="auto")
     assert plugin.auto
-    backend = plugin.choose_engine(CONFIG, 2, 32, "sdpa")  # no GPU here: nothing measured
+    backend = choose_engine(plugin, GPTLightningModule, CONFIG, 2, 32, "sdpa")  # no GPU here
+    # (nothing measured)
     assert not plugin.auto and plugin.auto_figures == "no GPU: nothing to measure"
     assert backend == "te" and plugin.state_dict()["auto"] == plugin.auto_figures
     plugin = FP8Precision(engine="auto")
@@ -158,8 +161,8 @@ def test_auto_with_several_processes_takes_rank_zeros_choice():
 
     def broadcast(obj):
         sent.append(obj)
-        return ("rowwise", None, "fp8-rowwise 1.00 ms, torch-compile 2.00 ms")  # rank zero's
+        return ("rowwise", "fp8-rowwise 1.00 ms, torch-compile 2.00 ms")  # rank zero's
 
-    assert plugin.choose_engine(CONFIG, 2, 32, "sdpa", broadcast) == "torch"
-    assert sent == [("delayed", None, "no GPU: nothing to measure")]  # what this rank measured
+    assert choose_engine(plugin, GPTLightningModule, CONFIG, 2, 32, "sdpa", broadcast) == "torch"
+    assert sent == [("delayed", "no GPU: nothing to measure")]  # what this rank measured
     assert plugin.engine.name == "torchao" and plugin.recipe_config == {"recipe": "rowwise"}

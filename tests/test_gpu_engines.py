@@ -9,6 +9,7 @@ from fp8_lightning.measure import measure, parse_variant
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT, compile_model
+from fp8_lightning.module import GPTLightningModule
 
 from tests.helpers import GPU_B, GPU_SMALL, GPU_T
 from tests.test_gpu import eval_loss, tokens, train  # noqa: F401 - the fixture
@@ -55,6 +56,7 @@ def test_bench_runs_the_torchao_variants():
     for name in ("fp8-tensorwise", "fp8-rowwise"):
         result = measure(parse_variant(name), GPTConfig.from_name("gpt2", **GPU_SMALL), GPU_B,
                          GPU_T, steps=3, warmup=2, device=torch.device("cuda"),
+                         module_class=GPTLightningModule,
                          fp8_args=dict(recipe=name[4:], on_unavailable="error"))
         assert result["status"] == "ran" and result["backend"] == "torch", result
         assert result["precision"].startswith(f"FP8 {name[4:]} compiled")

@@ -136,7 +136,7 @@ def test_short_fit_within_3_percent_of_bench(tmp_path, blocks, batch_size):
     fit(tmp_path, blocks, 115, callbacks=[timer, NaNGuard(), TrainingMonitor(
         log_every=10, sample_prompt=None, console=False)], batch_size=batch_size)
     bench = measure(parse_variant("fp8-delayed"), GPTConfig(name="gpt2"), batch_size, T, steps=30,
-                    warmup=5, device=torch.device("cuda"),
+                    warmup=5, device=torch.device("cuda"), module_class=GPTLightningModule,
                     fp8_args=dict(recipe="delayed", weights="bf16-mixed", on_unavailable="error"))
     print(f"\n[fit vs bench] GPT-2 124M FP8 delayed {batch_size}x{T} on {torch.cuda.get_device_name()}: "
           f"fit {timer.ms:.2f} ms/step, bench {bench['ms_per_step']:.2f} ms/step "

@@ -70,7 +70,7 @@ def test_a_failing_compilation_falls_back_to_eager_with_the_reason(monkeypatch):
 def test_bench_times_the_modules_training_step():
     config = GPTConfig(**CONFIG)
     step, plugin = build_step(parse_variant("torch-eager"), config, 2, 32,
-                              device=torch.device("cpu"))
+                              device=torch.device("cpu"), module_class=GPTLightningModule)
     module = step.module
     assert isinstance(module, GPTLightningModule) and plugin is None and module.compiled is None
     before = [p.detach().clone() for p in module.parameters()]

@@ -47,6 +47,7 @@ import torch
 from ..config import ConfigError
 from ..flops import flops_per_token
 from ..measure import DEFAULT_VARIANTS, environment, measure, method, parse_variant, skip_reason
+from ..module import GPTLightningModule
 from ..te_support import cpu_has_native_bf16, te_status
 from .run_config import check_fp8_plugin, fp8_plugin_args, load_run_config, positive_int_problems
 
@@ -192,8 +193,8 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         log.info("bench %s: %d warm-up + %d steps", variant.name, warmup, steps)
         fp8_args = fp8_plugin_args(run, variant) if variant.recipe else None
         results.append(measure(variant, model_config, batch_size, seq_len, steps=steps,
-                               warmup=warmup, device=device, fp8_args=fp8_args, seed=seed,
-                               profile=profile))
+                               warmup=warmup, device=device, module_class=GPTLightningModule,
+                               fp8_args=fp8_args, seed=seed, profile=profile))
     ran = {r["variant"]: r for r in results if r["status"] == "ran"}
     base = baseline if baseline in ran else next(iter(ran), None)
     if baseline is not None and base != baseline:

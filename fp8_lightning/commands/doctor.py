@@ -30,8 +30,10 @@ from torch import nn
 from ..config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
 from ..fp8 import BACKEND, RECIPES, bf16_module_names, build_recipe_config, get_engine, \
     make_te_recipe
-from ..measure import Gemm, environment, free_memory, measure, parse_variant, time_gemm
+from ..fp8.gemm_timing import Gemm, time_gemm
+from ..measure import environment, free_memory, measure, parse_variant
 from ..model import GPT
+from ..module import GPTLightningModule
 from ..te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
                          te_status)
 from .run_config import RunConfig, check_fp8_plugin, load_run_config, positive_int_problems
@@ -354,7 +356,7 @@ def benefit_probe(run: RunConfig, result: Lint, recipes: list[str], *, reps: int
     # The non-GEMM time: a short BF16 step of the model itself, minus the BF16 GEMMs.
     variant = parse_variant("te-bf16" + ("-te-attn" if run.attention == "te" else ""))
     step = measure(variant, config, batch_size, seq_len, steps=step_steps, warmup=2,
-                   device=torch.device("cuda"))
+                   device=torch.device("cuda"), module_class=GPTLightningModule)
     pred = predict(gemms, times, step["ms_per_step"] if step["status"] == "ran" else None)
     if step["status"] == "ran":
         _say(f"  measured BF16 step of this model on TE: {pred['step_bf16_ms']:.2f} ms; its GEMMs "

@@ -13,12 +13,14 @@ One job per file:
 * :mod:`.stats`: the ``FP8Stats`` callback (amax, scales, underflows through TE's debug API).
 """
 
-from .engine import Engine, get_engine
+from .engine import Engine
+from .engines import get_engine
 from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin
 from .policy import bf16_module_names, find_gpt, gemm_dims_ok
 from .recipes import BACKEND, ENGINES, RECIPES, REMOVED_KEYS, Recipe, build_recipe_config, recipe_names
 from .scaling_state import export_fp8_scaling, import_fp8_scaling
-from .te_engine import fp8_modules_ran, make_te_recipe, recipe_available, te_gemm_modules, te_modules
+from .scaling_state import te_modules
+from .te_engine import fp8_modules_ran, make_te_recipe, recipe_available, te_gemm_modules
 
 __all__ = ["BACKEND", "ENGINES", "Engine", "FP8Precision", "FP8PrecisionBase", "FP8UnavailableError",
            "RECIPES", "REMOVED_KEYS", "Recipe", "bf16_module_names", "build_recipe_config",

@@ -1,8 +1,10 @@
 """``engine: auto``: the FP8 engine and recipe, or BF16, chosen by measuring this model on this GPU.
 
 Each candidate (the TE recipes, the torchao recipes, BF16 compiled) runs a few training steps of
-the run's own model and micro-batch through ``bench``'s step (which is ``fit``'s step); the fastest
-wins. FP8 may lose (small models): then the run trains BF16 and says so.
+the run's own model and micro-batch through ``bench``'s step (which is ``fit``'s step,
+:mod:`fp8_lightning.measure`); the fastest wins. FP8 may lose (small models): then the run
+trains BF16 and says so. The training module asks (:func:`choose_engine`, with its own class, so
+that nothing here imports it) before it builds its model; the plugin keeps the choice.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
     return parse_variant(ran[0][1]).recipe, figures
 
 
-def probe(config: Any, batch_size: int, seq_len: int, attention: str, *, steps: int = 5,
-          warmup: int = 3) -> dict[str, Optional[float]]:
+def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_class: type, *,
+          steps: int = 5, warmup: int = 3) -> dict[str, Optional[float]]:
     """ms per training step of each candidate on this GPU (``None``: it could not run here)."""
     from ..measure import measure, parse_variant, skip_reason
 
@@ -54,8 +56,34 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, *, steps: 
         fp8_args = (None if variant.recipe is None else
                     dict(recipe=variant.recipe, on_unavailable="error"))
         result = measure(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
-                         device=device, fp8_args=fp8_args)
+                         device=device, module_class=module_class, fp8_args=fp8_args)
         timings[name] = result["ms_per_step"] if result["status"] == "ran" else None
         log.info("engine auto: %s %s", name, f"{timings[name]:.2f} ms/step"
                  if timings[name] is not None else result.get("reason"))
     return timings
+
+
+def choose_engine(plugin: Any, module_class: type, config: Any, batch_size: int, seq_len: int,
+                  attention: str, broadcast: Any = None) -> str:
+    """``engine: auto``: measure the candidates on this model and micro-batch, give ``plugin``
+    the fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs.
+    With several processes rank zero measures and ``broadcast`` (the strategy's) gives every
+    rank its choice: one model on every rank."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if broadcast is not None:
+        choice = None
+        if rank_zero_only.rank == 0:
+            choose_engine(plugin, module_class, config, batch_size, seq_len, attention)
+            choice = (None if plugin.auto_bf16 else plugin.recipe_config["recipe"],
+                      plugin.auto_figures)
+        plugin.take_choice(*broadcast(choice))
+        return plugin.backend
+    if not torch.cuda.is_available():
+        plugin.take_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
+    else:
+        plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class)))
+    rank_zero_only(log.info)("engine auto: %s (%s)", "BF16" if plugin.auto_bf16 else
+                             f"{plugin.engine.name} {plugin.recipe_config['recipe']}",
+                             plugin.auto_figures)
+    return plugin.backend

@@ -56,16 +56,3 @@ class Engine:
     def import_scaling(self, model: nn.Module, scaling: dict[str, dict[str, Any]]) -> int:
         """Put exported scaling state back; returns the modules restored."""
         return 0
-
-
-def get_engine(name: str) -> Engine:
-    """The engine called ``name`` (``te`` or ``torchao``)."""
-    if name == "te":
-        from .te_engine import TEEngine
-
-        return TEEngine()
-    if name == "torchao":
-        from .torchao_engine import TorchaoEngine
-
-        return TorchaoEngine()
-    raise ValueError(f"engine={name!r}; valid: te, torchao")

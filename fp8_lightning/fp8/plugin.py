@@ -23,7 +23,8 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..te_support import fallback_precision
-from .engine import Engine, get_engine
+from .engine import Engine
+from .engines import get_engine
 from .policy import bf16_module_names, find_gpt
 from .recipes import ENGINES, RECIPES, build_recipe_config, recipe_names
 
@@ -174,39 +175,21 @@ class FP8PrecisionBase(FabricPrecision):
         return self._model_ref() if self._model_ref is not None else None
 
     # ----------------------------------------------------------------------------- setup
-    def choose_engine(self, config: Any, batch_size: int, seq_len: int, attention: str,
-                      broadcast: Any = None) -> str:
-        """``engine: auto``: measure the candidates on this model and micro-batch, take the
-        fastest (an FP8 recipe, or BF16), log the figures; returns the model backend it needs.
-        With several processes rank zero measures and ``broadcast`` (the strategy's) gives every
-        rank its choice: one model on every rank."""
-        from .auto import choose, probe
+    def take_choice(self, recipe: Optional[str], figures: str) -> None:
+        """``engine: auto``'s result (:func:`fp8_lightning.fp8.auto.choose_engine`): an FP8
+        recipe, keeping this plugin's fields that recipe has, or ``None`` for BF16."""
+        self.auto, self.auto_figures = False, figures
+        if recipe is None:
+            self.auto_bf16 = f"engine auto measured BF16 fastest ({figures})"
+            return
+        fields = {k: v for k, v in self.recipe_config.items()
+                  if k != "recipe" and k in RECIPES[recipe].defaults}
+        self.recipe_config = build_recipe_config(recipe, **fields)
+        self.engine = get_engine(RECIPES[recipe].engine)
 
-        self.auto = False
-        if broadcast is not None:
-            if rank_zero_only.rank == 0:
-                self.choose_engine(config, batch_size, seq_len, attention)
-            recipe, self.auto_bf16, self.auto_figures = broadcast(
-                (self.recipe_config["recipe"], self.auto_bf16, self.auto_figures))
-            self.recipe_config = build_recipe_config(recipe, **{
-                k: v for k, v in self.recipe_config.items()
-                if k != "recipe" and k in RECIPES[recipe].defaults})
-            self.engine = get_engine(RECIPES[recipe].engine)
-            return "torch" if self.auto_bf16 else self.engine.backend
-        if not torch.cuda.is_available():
-            self.auto_figures = "no GPU: nothing to measure"
-        else:
-            recipe, self.auto_figures = choose(probe(config, batch_size, seq_len, attention))
-            if recipe is None:
-                self.auto_bf16 = f"engine auto measured BF16 fastest ({self.auto_figures})"
-            else:
-                fields = {k: v for k, v in self.recipe_config.items()
-                          if k != "recipe" and k in RECIPES[recipe].defaults}
-                self.recipe_config = build_recipe_config(recipe, **fields)
-                self.engine = get_engine(RECIPES[recipe].engine)
-        rank_zero_only(log.info)("engine auto: %s (%s)", self.auto_bf16 and "BF16" or
-                                 f"{self.engine.name} {self.recipe_config['recipe']}",
-                                 self.auto_figures)
+    @property
+    def backend(self) -> str:
+        """The model backend the engine (or ``engine: auto``'s BF16 choice) needs."""
         return "torch" if self.auto_bf16 else self.engine.backend
 
     @override
@@ -276,7 +259,7 @@ class FP8PrecisionBase(FabricPrecision):
             log.info("fp8_layers=auto times TE's GEMMs; engine %s: every layer the policy "
                      "allows runs FP8", self.engine.name)
             return {}
-        from ..measure import Gemm, time_gemm
+        from .gemm_timing import Gemm, time_gemm
         from .policy import slower_in_fp8
         from .te_engine import make_te_recipe
 

@@ -18,13 +18,23 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
+from ..te_support import te_status
+
 log = logging.getLogger(__name__)
+
+
+def te_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Named TE modules that carry FP8 metadata (GEMM modules and ``DotProductAttention``)."""
+    if not te_status()[0]:
+        return {}
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, TransformerEngineBaseModule)}
 
 
 def export_fp8_scaling(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Delayed-scaling state of every TE module as plain tensors (no pickle)."""
-    from .te_engine import te_modules
-
     out = {}
     for name, module in te_modules(model).items():
         tensors = module.get_fp8_meta_tensors()
@@ -40,8 +50,6 @@ def export_fp8_scaling(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], recipe: Any) -> int:
     """Copy exported delayed-scaling tensors back into TE modules; returns modules restored."""
-    from .te_engine import te_modules
-
     restored, skipped = 0, []
     modules = te_modules(model)
     for name, saved in scaling.items():
@@ -86,3 +94,4 @@ def drop_foreign_extra_state(module: nn.Module, state_dict: dict, prefix: str, *
         rank_zero_only(log.warning)(f"{prefix.rstrip('.')}: ignoring pickled FP8 extra state from a checkpoint "
                        f"not written by fp8-lightning (unsafe to unpickle); the FP8 scales "
                        f"recalibrate. Set {UNSAFE_PICKLE_EXTRA_STATE_ENV}=1 only if you trust it.")
+

@@ -14,7 +14,7 @@ from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
-                            strip_extra_state)
+                            strip_extra_state, te_modules)
 
 
 def make_te_recipe(config: dict[str, Any]) -> Any:
@@ -41,16 +41,6 @@ def recipe_available(recipe: str) -> tuple[bool, str]:
     if not ok:
         return False, reason or f"TransformerEngine says recipe {recipe!r} is not supported on {gpu}"
     return True, gpu
-
-
-def te_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Named TE modules that carry FP8 metadata (GEMM modules and ``DotProductAttention``)."""
-    if not te_status()[0]:
-        return {}
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, TransformerEngineBaseModule)}
 
 
 def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
