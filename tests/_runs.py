@@ -18,8 +18,27 @@ BYTES_VOCAB = 257
 
 
 def run_cli(*args, timeout=600):
+    """``python -m fp8_lightning ARGS`` as a process from the repository root."""
     return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def run_main(capsys, argv):
+    """``python -m fp8_lightning ARGV`` in this process (no process to start): (exit status,
+    stdout, stderr) of this call alone."""
+    from unittest import mock
+
+    from fp8_lightning.cli import main
+
+    capsys.readouterr()
+    try:
+        with mock.patch.object(sys, "argv", ["fp8_lightning"]):  # the args come from argv only
+            main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def byte_tokenizer(path: Path) -> Path:

@@ -29,6 +29,7 @@ from fp8_lightning.commands.checkpoints import format_checkpoints
 from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.te_support import fallback_precision
+from tests._runs import run_cli
 
 # What a run without FP8 records here: bf16, or fp32 on a CPU without BF16 instructions.
 FALLBACK = "fp32" if fallback_precision()[0] == "32-true" else "bf16"
@@ -36,9 +37,6 @@ FALLBACK = "fp32" if fallback_precision()[0] == "32-true" else "bf16"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
 
 
 def test_sigkill_during_write_leaves_the_previous_checkpoint_loadable(tmp_path):

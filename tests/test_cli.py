@@ -1,18 +1,12 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fp8_lightning.te_support import fallback_precision
+from tests._runs import ROOT, run_cli, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
 
 
 def scalars(run_dir):
@@ -57,24 +51,11 @@ def test_quickstart_loss_falls(quickstart_run):
     assert loss[-1] < loss[0] - 1.5, loss  # from ~5.5 (uniform over 257 tokens) clearly down
 
 
-def run_main(capsys, *argv):
-    """``python -m fp8_lightning ARGV`` run in this process (parsing only: no process to start):
-    (exit status, stdout, stderr)."""
-    from fp8_lightning.cli import main
-
-    capsys.readouterr()
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_print_config_and_dotted_overrides(capsys):
-    code, out, err = run_main(capsys, "fit", "--config", str(ROOT / "configs/gpt2_fp8.yaml"),
-                              "--model.config.n_layer", "3", "--print_config")
+    code, out, err = run_main(capsys, ["fit", "--config", str(ROOT / "configs/gpt2_fp8.yaml"),
+                              "--model.config.n_layer", "3", "--print_config"])
     assert code == 0, err
     assert "n_layer: 3" in out and "fp8_lightning.FP8Precision" in out
     assert "recipe: delayed" in out
@@ -92,7 +73,7 @@ def test_unknown_recipe_key_is_rejected(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text((ROOT / "configs/gpt2_fp8.yaml").read_text().replace(
         "recipe: delayed", "recipe: delayed\n        interval: 1"))
-    code, _, err = run_main(capsys, "fit", "--config", str(cfg), "--print_config")
+    code, _, err = run_main(capsys, ["fit", "--config", str(cfg), "--print_config"])
     assert code != 0 and "interval" in err
 
 

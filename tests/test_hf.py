@@ -12,13 +12,13 @@ import lightning as L
 import pytest
 import torch
 
-from fp8_lightning.cli import main
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.hf import load_hf, load_into
 from fp8_lightning.model import GPT
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import byte_level_bpe
+from tests._runs import run_main
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (after the skip: an optional extra)
@@ -51,15 +51,6 @@ def hf_dirs(tmp_path_factory):
     return dirs
 
 
-def run_cli(argv, capsys):
-    """``main(argv)``: (exit status, stdout, stderr)."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("arch", TINY)
@@ -84,8 +75,8 @@ def test_round_trip_in_then_out_is_identical_and_loads_in_transformers(hf_dirs, 
                                                                         capsys):
     directory, reference = hf_dirs[arch]
     ckpt, out = tmp_path / "model.ckpt", tmp_path / "out"
-    assert run_cli(["convert", "--from-hf", directory, ckpt], capsys)[0] == 0
-    code, printed, _ = run_cli(["convert", "--to-hf", ckpt, out], capsys)
+    assert run_main(capsys, ["convert", "--from-hf", directory, ckpt])[0] == 0
+    code, printed, _ = run_main(capsys, ["convert", "--to-hf", ckpt, out])
     assert code == 0
     original, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() <= original.keys()
@@ -107,11 +98,11 @@ def test_round_trip_in_then_out_is_identical_and_loads_in_transformers(hf_dirs, 
 
 def test_converted_checkpoint_generates_and_records_its_tokenizer(hf_dirs, tmp_path, capsys):
     ckpt = tmp_path / "gpt2.ckpt"
-    run_cli(["convert", "--from-hf", hf_dirs["gpt2"][0], ckpt], capsys)
+    run_main(capsys, ["convert", "--from-hf", hf_dirs["gpt2"][0], ckpt])
     recorded = torch.load(ckpt, weights_only=True)["fp8_lightning"]
     assert recorded["tokenizer"] == "gpt2"  # its tokenizer.json is GPT-2's BPE
-    code, out, err = run_cli(["generate", "--ckpt", ckpt, "--prompt", "Hello",
-                              "--max_new_tokens", "4", "--temperature", "0"], capsys)
+    code, out, err = run_main(capsys, ["generate", "--ckpt", ckpt, "--prompt", "Hello",
+                              "--max_new_tokens", "4", "--temperature", "0"])
     assert code == 0 and out.startswith("Hello"), err
 
 
@@ -183,7 +174,7 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
          "model.config.block_size=128 but"),  # the quickstart config is another shape
     ]
     for argv, expected in cases:
-        code, out, err = run_cli(argv, capsys)
+        code, out, err = run_main(capsys, argv)
         lines = [line for line in err.splitlines() if line.strip() and "INFO" not in line
                  and "WARNING" not in line]
         assert code == 2, (argv, err)
@@ -196,8 +187,8 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
     out.mkdir()
     (out / "mine.txt").write_text("keep")
     ckpt = tmp_path / "g.ckpt"
-    run_cli(["convert", "--from-hf", gpt2_dir, ckpt], capsys)
-    code, _, err = run_cli(["convert", "--to-hf", ckpt, out], capsys)
+    run_main(capsys, ["convert", "--from-hf", gpt2_dir, ckpt])
+    code, _, err = run_main(capsys, ["convert", "--to-hf", ckpt, out])
     assert code == 2 and "exists and is not empty" in err and (out / "mine.txt").read_text() == "keep"
 
 
@@ -221,10 +212,10 @@ def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dir
                            trainers.BpeTrainer(special_tokens=["[UNK]", "</s>"], vocab_size=60))
     tk.save(str(directory / "tokenizer.json"))
     run = tmp_path / "run"
-    code, _, err = run_cli(["fit", "--model.init_from", directory, "--trainer.max_steps", "1",
+    code, _, err = run_main(capsys, ["fit", "--model.init_from", directory, "--trainer.max_steps", "1",
                             "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
                             "--data.batch_size", "2", "--data.num_workers", "0",
-                            "--trainer.default_root_dir", run], capsys)  # data.tokenizer: gpt2
+                            "--trainer.default_root_dir", run])  # data.tokenizer: gpt2
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2, err[-2000:]
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]

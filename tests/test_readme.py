@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.cli import EXTRA_COMMANDS, main
+from fp8_lightning.cli import EXTRA_COMMANDS
 from fp8_lightning.te_support import fallback_precision, te_status
+from tests._runs import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -165,18 +166,6 @@ def fp8_lightning_commands(subcommand: str) -> list[list[str]]:
     return [shlex.split(c)[4:] for c in readme_commands() if shlex.split(c)[:4] == prefix]
 
 
-def run_main(capsys, argv: list[str]) -> tuple[int, str, str]:
-    """``python -m fp8_lightning ARGV`` in this process: (exit status, stdout, stderr)."""
-    from unittest import mock
-
-    try:
-        with mock.patch.object(sys, "argv", ["fp8_lightning"]):  # the args come from argv only
-            main(argv)
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture

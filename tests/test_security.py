@@ -22,8 +22,8 @@ import torch
 
 from fp8_lightning.checkpoint import (CheckpointError, MetadataUnpickler, consolidate_checkpoint,
                                       read_dcp_metadata, safe_lightning_dcp_loads)
-from fp8_lightning.cli import main
 from fp8_lightning.config import GPTConfig
+from tests._runs import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,15 +88,6 @@ def commands(ckpt: Path, root: Path) -> dict[str, list[str]]:
     }
 
 
-def run_main(capsys, argv):
-    """(exit status, stdout, stderr) of ``python -m fp8_lightning ARGV``, run in this process."""
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def files_under(root: Path) -> dict[str, bytes]:
