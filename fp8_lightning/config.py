@@ -148,6 +148,15 @@ class GPTConfig:
     def qkv_width(self) -> int:
         return (self.n_head + 2 * self.n_kv_heads) * self.head_dim
 
+    @property
+    def fc1_width(self) -> int:
+        """fc1's output: [gate, up] for SwiGLU (twice ffn_hidden), else ffn_hidden."""
+        return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
+
+    def residual_in_fp32(self, backend: str) -> bool:
+        """``fp32_residual``, or its default for ``backend`` (float32 on torch, BF16 on TE)."""
+        return self.fp32_residual if self.fp32_residual is not None else backend == "torch"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -28,7 +28,7 @@ def matmul_params(config: GPTConfig) -> int:
     c = config
     d = c.n_embd
     attn = d * c.qkv_width + d * d  # QKV (GQA-aware) and the output projection
-    mlp = (3 if c.activation == "swiglu" else 2) * d * c.ffn_hidden
+    mlp = d * (c.fc1_width + c.ffn_hidden)  # fc1 and fc2
     return c.n_layer * (attn + mlp) + c.padded_vocab_size * d
 
 

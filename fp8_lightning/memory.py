@@ -53,9 +53,8 @@ def num_params(config: GPTConfig) -> int:
     and LM head), the embeddings, norms and biases."""
     c = config
     h = c.n_embd
-    f1 = 2 * c.ffn_hidden if c.activation == "swiglu" else c.ffn_hidden
     norm = h * (2 if c.norm == "layernorm" else 1)
-    per_block = 2 * norm + (c.qkv_width + h + f1 + h if c.bias else 0)
+    per_block = 2 * norm + (c.qkv_width + h + c.fc1_width + h if c.bias else 0)
     per_block += 2 * c.head_dim if c.qk_norm else 0
     embeddings = 0 if c.tie_embeddings else c.padded_vocab_size * h  # tied: the head's weight
     embeddings += c.block_size * h if c.position == "learned" else 0
@@ -115,7 +114,7 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
         working = 2 * (2 * (params - root) / max(1, c.n_layer) + root)
     else:  # the GEMM weights' BF16 (or FP8) copies; the embedding lookup takes no copy
         working = 2 * gemm
-    f1 = 2 * f if c.activation == "swiglu" else f
+    f1 = c.fc1_width
     r = 4 if run.fp32_residual else 2
     g = 1 if run.fp8 else 2
     attention = (r + g) * h + 2 * q + 2 * h + (h if run.fp8 else 0)
@@ -172,10 +171,11 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
     alone = fewest_gpus(run)  # sharding divides the state, not the activations
     if alone:
         levers.append((fsdp(alone), replace(run, shards=alone)))
-    if not any(fits(shape) for _, shape in levers) and full != run and fewest_gpus(full):
-        n = fewest_gpus(full)
-        levers.append((f"model.activation_checkpointing: full and {fsdp(n)}",
-                       replace(full, shards=n)))
+    if full != run and not any(fits(shape) for _, shape in levers):
+        both = fewest_gpus(full)  # neither lever alone: together
+        if both:
+            levers.append((f"model.activation_checkpointing: full and {fsdp(both)}",
+                           replace(full, shards=both)))
     said = [f"{name} -> {estimate_memory(config, shape).total / GIB:.1f} GiB"
             f"{'' if fits(shape) else ' (not enough)'}" for name, shape in levers]
     return (f"the run needs about {estimate.describe()} but {budget / GIB:.1f} GiB is free on the "

@@ -125,18 +125,17 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.backend = config, backend
         c = config
-        self.fp32_residual = c.fp32_residual if c.fp32_residual is not None else backend == "torch"
-        every = activation_checkpointing_every
-        if activation_checkpointing not in ACTIVATION_CHECKPOINTING or not 1 <= every <= c.n_layer:
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r}, "
+        self.fp32_residual = c.residual_in_fp32(backend)
+        mode, every = activation_checkpointing, activation_checkpointing_every
+        if mode not in ACTIVATION_CHECKPOINTING or not 1 <= every <= c.n_layer:
+            raise ValueError(f"activation_checkpointing={mode!r}, "
                              f"activation_checkpointing_every={every}; valid: "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)} and every from 1 to "
                              f"n_layer={c.n_layer}")
-        chosen = set(checkpointed_blocks(c.n_layer, every))
-        picked = [i in chosen for i in range(c.n_layer)]
-        # Indices of the blocks whose forward is recomputed in the backward ("full").
-        self.checkpointed = {i for i, on in enumerate(picked)
-                             if on and activation_checkpointing == "full"}
+        chosen = set(checkpointed_blocks(c.n_layer, every)) if mode != "none" else set()
+        # The blocks whose whole forward is recomputed in the backward ("full"); with "mlp" the
+        # chosen blocks' MLPs recompute themselves.
+        self.checkpointed = chosen if mode == "full" else set()
         layers = LayerFactory(backend, attention)
         device = layers.device
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
@@ -146,8 +145,8 @@ class GPT(nn.Module):
             cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        self.blocks = nn.ModuleList(Block(c, layers, on and activation_checkpointing == "mlp")
-                                    for on in picked)
+        self.blocks = nn.ModuleList(Block(c, layers, mode == "mlp" and i in chosen)
+                                    for i in range(c.n_layer))
         self.norm_f = layers.norm(c.n_embd, kind=c.norm, eps=c.norm_eps)
         self.lm_head = layers.linear(c.n_embd, c.padded_vocab_size, bias=False,
                                      init_method=normal_init(0.02))

@@ -215,8 +215,7 @@ class GPTLightningModule(L.LightningModule):
                         seq_len=getattr(datamodule, "seq_len", None) or c.block_size,
                         shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
                         fp8=plugin is not None and self.backend_name == "te",
-                        fp32_residual=(c.fp32_residual if c.fp32_residual is not None
-                                       else self.backend_name == "torch"),
+                        fp32_residual=c.residual_in_fp32(self.backend_name),
                         activation_checkpointing=hp.activation_checkpointing,
                         activation_checkpointing_every=hp.activation_checkpointing_every,
                         master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
@@ -266,16 +265,13 @@ class GPTLightningModule(L.LightningModule):
         if self.hparams.backend != "auto":
             return
         if plugin.auto:
-            several = self._trainer.world_size > 1
             from .fp8.auto import choose_engine
 
-            backend = choose_engine(plugin, type(self), self.config,
-                                    getattr(datamodule, "batch_size", 8),
-                                    getattr(datamodule, "seq_len", self.config.block_size),
-                                    self.attention,
-                                    self._trainer.strategy.broadcast if several else None)
-        else:
-            backend = plugin.engine.backend
+            several = self._trainer.world_size > 1
+            choose_engine(plugin, type(self), self.config, getattr(datamodule, "batch_size", 8),
+                          getattr(datamodule, "seq_len", self.config.block_size), self.attention,
+                          self._trainer.strategy.broadcast if several else None)
+        backend = plugin.backend
         if backend != self.backend_name and (backend == "torch" or te_status()[0]):
             self.backend_name = backend
             self.backend_reason = ("engine auto measured BF16 fastest" if plugin.auto_bf16 else

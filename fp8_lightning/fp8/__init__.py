@@ -18,8 +18,7 @@ from .engines import get_engine
 from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin
 from .policy import bf16_module_names, find_gpt, gemm_dims_ok
 from .recipes import BACKEND, ENGINES, RECIPES, REMOVED_KEYS, Recipe, build_recipe_config, recipe_names
-from .scaling_state import export_fp8_scaling, import_fp8_scaling
-from .scaling_state import te_modules
+from .scaling_state import export_fp8_scaling, import_fp8_scaling, te_modules
 from .te_engine import fp8_modules_ran, make_te_recipe, recipe_available, te_gemm_modules
 
 __all__ = ["BACKEND", "ENGINES", "Engine", "FP8Precision", "FP8PrecisionBase", "FP8UnavailableError",
