@@ -193,7 +193,18 @@ class Losses(L.Callback):
         self.values[trainer.global_step] = outputs["loss"].item()
 
 
-def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto"):
+class SaveAt(L.Callback):
+    """Writes ``<dir>/at<step>.ckpt`` when the run reaches ``step``, and trains on."""
+
+    def __init__(self, step, directory):
+        self.step, self.directory = step, directory
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.directory / f"at{self.step}.ckpt")
+
+
+def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto", save_at=None):
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig.from_name("gpt2", **SMALL), backend=backend,
                                 learning_rate=1e-3, warmup_steps=5, lr_decay_steps=40)
@@ -202,7 +213,8 @@ def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto"):
     trainer = L.Trainer(max_steps=steps, plugins=plugins,
                         precision=None if plugins else precision, accelerator="gpu", devices=1,
                         logger=False, enable_progress_bar=False, limit_val_batches=0,
-                        default_root_dir=tmp_path, callbacks=[losses],
+                        default_root_dir=tmp_path,
+                        callbacks=[losses] + ([SaveAt(save_at, tmp_path)] if save_at else []),
                         enable_checkpointing=True)
     # Every batch is the same batch: the loss curve then depends only on the training state
     # (weights, optimizer, schedule, FP8 scaling), not on where the loader resumes. A plain

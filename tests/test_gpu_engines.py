@@ -102,27 +102,30 @@ def test_fp8_layers_auto_times_the_shapes_and_keeps_the_slow_ones_bf16(tokens, c
 
 
 def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_path, tokens):
-    """The torchao engine through the Trainer: a run resumed at step 20 continues the
-    uninterrupted curve (the same batch every step, so only the training state matters; the
-    embedding's atomic adds make no two runs bitwise equal), its checkpoint is plain tensors with
-    no scaling state, and it trains on in TE FP8 delayed."""
+    """The torchao engine through the Trainer: a run resumed from the uninterrupted run's own
+    step-20 checkpoint continues its curve (the same batch every step, so only the training state
+    matters), the checkpoint is plain tensors with no scaling state, and it trains on in TE FP8
+    delayed."""
     from tests.test_gpu import fit
 
-    _, straight = fit(tmp_path / "a", tokens, 40, FP8Precision(recipe="tensorwise"))
-    trainer, _ = fit(tmp_path / "b", tokens, 20, FP8Precision(recipe="tensorwise"))
+    trainer, straight = fit(tmp_path / "a", tokens, 40, FP8Precision(recipe="tensorwise"),
+                            save_at=20)
     assert trainer.precision_plugin.engine.name == "torchao"
-    ckpt = torch.load(tmp_path / "b" / "step20.ckpt", weights_only=True)  # no pickle anywhere
+    at20 = tmp_path / "a" / "at20.ckpt"
+    ckpt = torch.load(at20, weights_only=True)  # no pickle anywhere
     assert not (ckpt.get("FP8Precision") or {}).get("scaling")  # scales come from each tensor
     resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(recipe="tensorwise"),
-                                   ckpt_path=tmp_path / "b" / "step20.ckpt")
+                                   ckpt_path=at20)
     assert resumed_trainer.precision_plugin.fp8_active
-    # The first resumed step checks the restored state (a lost optimizer state, schedule or scale
-    # shows there at once). Later steps drift: on an H100 two compiled runs' atomic adds left
-    # step 40 0.0127 apart (session 10), so the later bound is the drift's, not the state's.
-    assert abs(resumed[21] - straight[21]) < 1e-2, (resumed[21], straight[21])
+    # Step 21's loss is the forward of the restored weights: the uninterrupted run's own step-20
+    # state, so only the forward's rounding differs (a lost weight, schedule or optimizer moment
+    # shows at once). Later steps drift: the embedding's backward adds atomically, so no two runs
+    # are bitwise equal (two runs of 20 steps each ended 0.0106 apart at step 21 on an H200,
+    # session 11), and the bound there is the drift's.
+    assert abs(resumed[21] - straight[21]) < 1e-3, (resumed[21], straight[21])
     for step in (30, 40):
         assert abs(resumed[step] - straight[step]) < 3e-2, (step, resumed[step], straight[step])
     te_trainer, te_losses = fit(tmp_path / "te", tokens, 30, FP8Precision(), backend="te",
-                                ckpt_path=tmp_path / "b" / "step20.ckpt")
+                                ckpt_path=at20)
     assert te_trainer.precision_plugin.fp8_active and te_trainer.precision_plugin.engine.name == "te"
     assert abs(te_losses[21] - straight[21]) < 0.05, (te_losses[21], straight[21])
