@@ -1,4 +1,5 @@
-"""Short quickstart fits through the CLI, run once per test session and shared by the console,
+"""The CLI runners of the tests (a process, this process, a run that must fail with one
+``error:`` line) and short quickstart fits through the CLI, run once per test session and shared by the console,
 monitor, generate and bad-input tests (each CLI fit costs tens of seconds on a small CPU), and
 the small vocabulary that fits which are not about the tokenizer train on."""
 
@@ -39,6 +40,24 @@ def run_main(capsys, argv):
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def cli_error(capsys, *argv):
+    """The message of ``python -m fp8_lightning ARGV`` run in this process (:func:`run_main`),
+    which must fail with exit status 2 and one ``error:`` line, no traceback: stderr from that
+    line on."""
+    code, _, err = run_main(capsys, argv)
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    return err[err.index(error_lines[0]):]
+
+
+def fit_error(capsys, *args):
+    """:func:`cli_error` of a 12-step quickstart fit (no logger, no progress bar, micro-batch 4)
+    with ``args``; the current directory must be the repository root."""
+    return cli_error(capsys, "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps",
+                     "12", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                     "--data.batch_size", "4", *args)
 
 
 def byte_tokenizer(path: Path) -> Path:

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _data_cache(tmp_path_factory):
 def small_vocab(tmp_path_factory):
     """CLI arguments for a fit on a small vocabulary (see ``_runs.small_vocab``): for the fits
     whose tests are not about the tokenizer (checkpoints, resume, signals, several processes)."""
-    from _runs import small_vocab
+    from tests._runs import small_vocab
 
     return small_vocab(tmp_path_factory)
 
@@ -43,15 +44,17 @@ def small_vocab(tmp_path_factory):
 # The files with the longest runs (several-process fits, data preparation, resumes) first: with
 # `-n auto --dist loadfile` a file runs in one process, and a long file handed out last leaves
 # the other processes idle at the end.
-LONGEST_FIRST = ("test_data.py", "test_distributed.py", "test_bad_input.py", "test_checkpoint.py",
-                 "test_readme.py", "test_console.py", "test_signals.py", "test_cli.py")
+LONGEST_FIRST = ("test_distributed.py", "data/test_prepare.py", "test_bad_input.py",
+                 "callbacks/test_checkpoint.py", "commands/test_checkpoints.py", "test_readme.py",
+                 "test_console.py", "test_signals.py", "test_cli.py", "data/test_streaming.py")
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
     from fp8_lightning.te_support import te_status
 
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))  # stable within a file
 
     ok, reason = te_status()
     if ok and torch.cuda.is_available():

@@ -1,10 +1,13 @@
-"""Test-only callbacks, importable by class path from CLI runs (``tests.helpers.X``)."""
+"""Test-only callbacks, importable by class path from CLI runs (``tests.helpers.X``), and the
+shared pieces of in-process tests (the console line's pattern, a token dataset, a checkpoint
+without weights, what a run without FP8 records)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -13,10 +16,71 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from fp8_lightning.te_support import fallback_precision
+
 
 # The GPU tests' small GPT-2 (every dim a multiple of 16, so it runs FP8) and its micro-batch.
 GPU_SMALL = dict(n_layer=4, n_head=4, n_embd=256, ffn_hidden=1024, block_size=128)
 GPU_B, GPU_T = 8, 128
+
+
+# What a run without FP8 records here: bf16, or fp32 on a CPU without BF16 instructions.
+FALLBACK = "fp32" if fallback_precision()[0] == "32-true" else "bf16"
+
+
+# The console line, parsed the way a user's log scraper would.
+LINE = re.compile(
+    r"^step (?P<step>\d+) \| loss (?P<loss>\d+\.\d{4}|n/a) \| lr (?P<lr>\d\.\d{2}e[-+]\d{2}|n/a) \| "
+    r"norm (?P<norm>\d+\.\d{3}|n/a) \| dt (?P<dt>\d+\.\d)ms \| tok/s (?P<tps>\d{1,3}(?:,\d{3})*) \| "
+    r"mfu (?P<mfu>\d+\.\d%|n/a)(?: \| mfu_fp8 (?P<mfu_fp8>\d+\.\d%))? \| "
+    r"(?P<tag>FP8 \w+|(?:BF16|FP32) \(fallback: .+\)|\S+)$")
+
+
+class Tokens(torch.utils.data.Dataset):
+    """64 sequences of 33 random GPT-2 token ids, each seeded by its index."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.randint(0, 50257, (33,), generator=torch.Generator().manual_seed(i))
+
+
+def logged_fit(root, steps=6, logger="csv"):
+    """A tiny in-process fit logged by CSVLogger only (``logger="tensorboard"``: by
+    TensorBoardLogger only): lines every 2 steps, a validation with a text sample at step 4 and a
+    checkpoint save then."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from fp8_lightning.callbacks.monitor import TrainingMonitor
+    from fp8_lightning.config import GPTConfig
+    from fp8_lightning.fp8 import FP8Precision
+    from fp8_lightning.module import GPTLightningModule
+
+    monitor = TrainingMonitor(log_every=2, sample_prompt="The", sample_tokens=4, console=False)
+    module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=32),
+                                warmup_steps=1)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4)
+    trainer = L.Trainer(max_steps=steps, plugins=[FP8Precision()], accelerator="cpu",
+                        logger={"csv": CSVLogger, "tensorboard": TensorBoardLogger}[logger](root),
+                        log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, val_check_interval=4, limit_val_batches=1,
+                        num_sanity_val_steps=0, callbacks=[monitor], default_root_dir=root)
+    trainer.fit(module, loader, loader)
+    return monitor, trainer
+
+
+def small_checkpoint(path, step=0, val_loss=None, val_step=None, **config_fields):
+    """A checkpoint as fit writes it, without weights (enough for everything before loading)."""
+    from fp8_lightning.checkpoint import atomic_torch_save
+    from fp8_lightning.config import GPTConfig
+
+    config = dict(GPTConfig(name="tiny").to_dict(), **config_fields)
+    atomic_torch_save({"state_dict": {}, "pytorch-lightning_version": "2.6.0", "global_step": step,
+                       "tokens_seen": 0, "hyper_parameters": {"config": config},
+                       "fp8_lightning": {"config": config, "precision": "bf16",
+                                         "val_loss": val_loss, "val_step": val_step}}, path)
+    return path
 
 
 class BatchLog(Callback):

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs import bytes_data, small_vocab_fit
-from test_security import craft
 from fp8_lightning.cli import main
+from tests._runs import bytes_data, small_vocab_fit
+from tests.test_security import craft
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir", "{tmp}/run"]

@@ -2,7 +2,7 @@
 
 import re
 
-from _runs import run_cli, small_vocab_fit
+from tests._runs import run_cli, small_vocab_fit
 from fp8_lightning.console import _without_unknown_flops
 
 # Lines that must never reach the console: adverts, litdata's worker chatter and progress bars,

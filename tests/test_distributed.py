@@ -4,19 +4,16 @@ sharded checkpoints, their consolidation, and the NaN guard's cross-rank decisio
 The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
 not the tokenizer."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from fp8_lightning.callbacks.checkpoint import Checkpoint
 from fp8_lightning.checkpoint import (CheckpointError, consolidate_checkpoint, list_checkpoints,
                                       load_checkpoint_file)
-from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.cli import main
 from fp8_lightning.module import GPTLightningModule
-from tests._runs import ROOT, run_cli
+from tests._runs import ROOT, run_cli, run_main
 
 BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
@@ -147,13 +144,6 @@ def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
         torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-4, rtol=0)
 
 
-def cli_error(capsys, *argv):
-    """``python -m fp8_lightning ARGV`` in this process: exit status and stderr."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    return exit_info.value.code, capsys.readouterr().err
-
-
 def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path, capsys):
     root, _, _ = fsdp_runs
     torn = tmp_path / "torn.ckpt"
@@ -164,34 +154,11 @@ def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path, capsys):
     (torn / ".metadata").write_bytes((root / "after6" / ".metadata").read_bytes())
     with pytest.raises(CheckpointError, match="shards could not be read"):
         consolidate_checkpoint(torn)  # the index is there, the shard files are not
-    code, err = cli_error(capsys, "consolidate", str(root / "checkpoints" / "nope.ckpt"))
+    code, _, err = run_main(capsys, ["consolidate", str(root / "checkpoints" / "nope.ckpt")])
     assert code == 2 and "does not exist" in err
-    code, err = cli_error(capsys, "consolidate", str(root / "checkpoints" / "last.ckpt"),
-                          str(tmp_path))
+    code, _, err = run_main(capsys, ["consolidate", str(root / "checkpoints" / "last.ckpt"),
+                                     str(tmp_path)])
     assert code == 2 and "is a directory; give a file name" in err
-
-
-def test_publish_directory_replaces_atomically_and_leaves_no_temporaries(tmp_path):
-    target = tmp_path / "last.ckpt"
-    for generation in ("old", "new"):
-        tmp = tmp_path / f".last.ckpt.tmp-{generation}"
-        tmp.mkdir()
-        (tmp / "shard").write_text(generation)
-        publish_directory(tmp, target)
-        assert (target / "shard").read_text() == generation
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-
-
-def test_last_checkpoint_lookup_ignores_temporaries(tmp_path):
-    import lightning as L
-
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / ".last.ckpt.tmp-123").mkdir()  # a kill mid-write left it
-    callback = Checkpoint()
-    trainer = L.Trainer(default_root_dir=str(tmp_path), callbacks=[callback], logger=False)
-    assert callback._find_last_checkpoints(trainer) == set()
-    os.mkdir(tmp_path / "checkpoints" / "last.ckpt")
-    assert callback._find_last_checkpoints(trainer) == {str(tmp_path / "checkpoints" / "last.ckpt")}
 
 
 def test_torchrun_launch_is_picked_up_by_lightning(tmp_path, small_vocab):
@@ -250,8 +217,8 @@ def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path, 
 
 def test_emulate_ranks_needs_matching_accumulation(tmp_path, small_vocab, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code, err = cli_error(capsys, "fit", "--config", "configs/quickstart.yaml", *small_vocab,
-                          "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path),
-                          "--data.emulate_ranks", "2")
+    code, _, err = run_main(capsys, ["fit", "--config", "configs/quickstart.yaml", *small_vocab,
+                                     "--trainer.max_steps", "1", "--trainer.default_root_dir",
+                                     str(tmp_path), "--data.emulate_ranks", "2"])
     assert code == 2
     assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in err

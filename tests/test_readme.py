@@ -37,17 +37,17 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "python -m fp8_lightning fit --config configs/quickstart.yaml": (
         "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",
         "tests/test_cli.py::test_quickstart_loss_falls"),
-    "python -m fp8_lightning doctor": ("tests/test_doctor.py::test_no_config_reports_the_environment",),
+    "python -m fp8_lightning doctor": ("tests/commands/test_doctor.py::test_no_config_reports_the_environment",),
     "tensorboard --logdir runs/quickstart": (  # a viewer: what it shows is checked
         "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",
-        "tests/test_monitor.py::test_tensorboard_scalars_after_a_short_fit"),
+        "tests/callbacks/test_monitor.py::test_tensorboard_scalars_after_a_short_fit"),
     "python -m fp8_lightning checkpoints runs/quickstart": (
-        "tests/test_checkpoint.py::test_checkpoints_command_lists_step_tokens_loss_precision_size",),
+        "tests/commands/test_checkpoints.py::test_checkpoints_command_lists_step_tokens_loss_precision_size",),
     "python -m fp8_lightning generate --ckpt runs/quickstart/checkpoints/last.ckpt --prompt ROMEO: "
     "--max_new_tokens 100 --temperature 0.8 --top_k 200": (
-        "tests/test_generate.py::test_generate_command", "tests/test_generate.py::test_generate_python_api"),
+        "tests/commands/test_generate.py::test_generate_command", "tests/commands/test_generate.py::test_generate_python_api"),
     "python -m fp8_lightning fit --config configs/quickstart.yaml --ckpt_path last": (
-        "tests/test_checkpoint.py::test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses",),
+        "tests/callbacks/test_checkpoint.py::test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses",),
     "python -m pytest -q tests/test_notebook.py": (
         "tests/test_notebook.py::test_committed_notebook_has_no_outputs",
         "tests/test_notebook.py::test_fp8_formats_are_computed_live",
@@ -70,7 +70,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         GPU, "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
     "python -m fp8_lightning fit --config configs/gpt2_bf16.yaml": (GPU, "tests/test_readme.py::test_fit_commands_run_a_step"),
     "python -m fp8_lightning compare runs/gpt2_bf16 runs/gpt2_fp8 --output fp8_vs_bf16.png": (
-        GPU, "tests/test_compare.py::test_compare_command"),
+        GPU, "tests/commands/test_compare.py::test_compare_command"),
     "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.default_root_dir runs/quick_fp8": (
         "tests/test_readme.py::test_quickstart_fp8_vs_bf16_comparison",),
     "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.default_root_dir runs/quick_bf16 "
@@ -81,12 +81,12 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "python -m fp8_lightning fit --config configs/quickstart.yaml --trainer.callbacks+=fp8_lightning.FaultInjection "
     "--trainer.callbacks.steps [100,101,102]": (
         "tests/test_readme.py::test_fit_commands_run_a_step",
-        "tests/test_safety.py::test_incident_rolls_back_switches_to_bf16_then_reenables_fp8",
-        "tests/test_safety.py::test_plain_bf16_run_errors_without_fp8_switch",
+        "tests/callbacks/test_guard.py::test_incident_rolls_back_switches_to_bf16_then_reenables_fp8",
+        "tests/callbacks/test_guard.py::test_plain_bf16_run_errors_without_fp8_switch",
         "tests/test_gpu_safety.py::test_real_fp8_divergence_falls_back_recovers_and_reenables_fp8"),
     "python -m fp8_lightning prepare --inputs corpus/*.jsonl --output_dir data/mycorpus --text_field text "
     "--seq_len 1024 --val_fraction 0.01": (
-        "tests/test_cli.py::test_prepare_command", "tests/test_data.py::test_prepare_jsonl_puts_eot_between_documents"),
+        "tests/test_cli.py::test_prepare_command", "tests/data/test_prepare.py::test_prepare_jsonl_puts_eot_between_documents"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --data.data_dir data/mycorpus": (
         GPU, "tests/test_readme.py::test_fit_commands_run_a_step"),  # as scripts/convergence.sh runs it
     # Hugging Face weights in and out: tiny GPT-2 and Llama directories built by transformers.
@@ -110,7 +110,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_hf.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
     "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml": (
         GPU, "tests/test_gpu_bench.py::test_bench_runs_every_variant_or_says_why",
-        "tests/test_bench.py::test_bench_cli_prints_table_and_writes_json_and_png"),
+        "tests/commands/test_bench.py::test_bench_cli_prints_table_and_writes_json_and_png"),
     "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml --model gpt-1.3b --batch_size 8 "
     "--variants torch-compile,te-bf16,fp8-delayed,fp8-current --steps 20": (
         GPU, "tests/test_gpu_bench.py::test_bench_cli_on_gpu"),
@@ -209,7 +209,7 @@ TINY_STEP = ["--model.config.name", "tiny", "--trainer.max_steps", "1", "--train
 def parse_only(argv: list[str]) -> str:
     """Why a README `fit` command is only parsed here ("" when it runs a step)."""
     if "--ckpt_path" in argv:
-        return "resumes: tests/test_checkpoint.py runs the resume"
+        return "resumes: tests/callbacks/test_checkpoint.py runs the resume"
     if "--model.init_from" in argv:
         return "needs a Hugging Face model directory: tests/test_hf.py fine-tunes tiny ones"
     if any(a in ("configs/ddp.yaml", "configs/fsdp.yaml") for a in argv):

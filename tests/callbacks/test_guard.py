@@ -109,10 +109,3 @@ def test_guard_arguments_are_validated():
         NaNGuard(max_bad_steps=0)
     with pytest.raises(ConfigError, match="rollback='disk'; valid: memory, checkpoint, none"):
         NaNGuard(rollback="disk")
-
-
-def test_fault_injection_arguments_are_validated():
-    with pytest.raises(ConfigError, match="kind='weights'"):
-        FaultInjection(kind="weights")
-    with pytest.raises(ConfigError, match=r"ranks=\[-1\]\); valid: global ranks 0, 1, "):
-        FaultInjection(ranks=[-1])

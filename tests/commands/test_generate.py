@@ -1,10 +1,10 @@
 import pytest
 import torch
-from _runs import bytes_data, run_cli, small_vocab_fit
 
 from fp8_lightning.checkpoint import CheckpointError
-from fp8_lightning.config import ConfigError
 from fp8_lightning.commands.generate import generate
+from fp8_lightning.config import ConfigError
+from tests._runs import bytes_data, run_cli, small_vocab_fit
 
 
 @pytest.fixture(scope="module")

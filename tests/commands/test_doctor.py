@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.config import GPTConfig
 from fp8_lightning.commands.doctor import (EXIT_BAD_CONFIG, EXIT_FP8_UNUSABLE, EXIT_OK, cudnn_text,
                                            doctor, model_gemms, predict, suggest)
+from fp8_lightning.config import GPTConfig
 from fp8_lightning.te_support import fallback_precision
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_doctor(*args):

@@ -168,7 +168,7 @@ def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys, small_voca
 
     from fp8_lightning.cli import main
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     with pytest.raises(SystemExit) as exit:
         main(["fit", "--config", str(config), *small_vocab, "--trainer.max_steps", "1",
               "--trainer.default_root_dir", str(tmp_path),

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.commands.bench import bench
 from fp8_lightning.commands.run_config import fp8_plugin_args, load_run_config
-from fp8_lightning.measure import DEFAULT_VARIANTS, parse_variant
 from fp8_lightning.config import ConfigError, GPTConfig
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.measure import DEFAULT_VARIANTS, parse_variant
 from fp8_lightning.module import GPTLightningModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 

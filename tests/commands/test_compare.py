@@ -3,12 +3,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runs import run_cli
-from test_monitor import LINE, logged_fit
 
 from fp8_lightning import logs
 from fp8_lightning.cli import main
 from fp8_lightning.commands.compare import Run, compare, format_table, read_run, summary
+from tests._runs import run_cli
+from tests.helpers import LINE, logged_fit
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,164 @@
+"""The Checkpoint callback (``fp8_lightning/callbacks/checkpoint.py``): a full disk or a killed
+write never costs the previous checkpoint, and a run killed mid-training resumes with exactly the
+same batches and losses.
+
+The fits train on a small vocabulary (the ``small_vocab`` fixture): how a run resumes does not
+depend on the tokenizer."""
+
+import errno
+import io
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning.callbacks.checkpoint import Checkpoint
+import fp8_lightning.checkpoint as checkpoint_module
+from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
+                                      remove_stale_temporaries)
+from tests._runs import ROOT, fit_error
+from tests._runs import run_cli
+from tests.helpers import small_checkpoint
+
+
+def test_disk_full_while_writing_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    small_checkpoint(target, step=1)
+    before = target.read_bytes()
+
+    class FullDisk(io.FileIO):  # the filesystem fills up after 64 KB of the new checkpoint
+        written = 0
+
+        def write(self, data):
+            FullDisk.written += len(data)
+            if FullDisk.written > 65536:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    monkeypatch.setattr(checkpoint_module, "open", FullDisk, raising=False)
+    big = {"state_dict": {"w": torch.ones(256, 1024)}, "pytorch-lightning_version": "2.6.0"}
+    with pytest.raises(CheckpointError, match=rf"^could not write checkpoint "
+                                              rf"{re.escape(repr(str(target)))}: no space left on "
+                                              r"device \(.* free there\); last.ckpt was left as"):
+        AtomicCheckpointIO().save_checkpoint(big, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temporary is gone
+    monkeypatch.undo()
+
+    def failing_save(obj, f):  # torch's own report of a failed write, without an OSError
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                           "failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(CheckpointError, match=r"PytorchStreamWriter failed writing file data/0: "
+                                              r"file write failed \("):
+        atomic_torch_save(big, target)
+    assert target.read_bytes() == before and len(list(tmp_path.iterdir())) == 1
+
+
+def test_temporaries_of_killed_writes_are_removed_when_checkpointing_starts(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        (directory / name).write_bytes(b"complete")
+    (directory / f".last.ckpt.tmp-{dead.pid}").write_bytes(b"torn")  # a single-file write
+    (directory / f".best.ckpt.tmp-{dead.pid}").mkdir()  # a sharded write
+    (directory / f".best.ckpt.tmp-{dead.pid}" / "__0_0.distcp").write_bytes(b"torn")
+    (directory / f".last.ckpt.tmp-{os.getpid()}").write_bytes(b"being written")  # running: kept
+    (directory / f".first.ckpt.tmp-{dead.pid}").write_bytes(b"?")  # first.ckpt missing: kept
+
+    trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint()], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="fp8_lightning.checkpoint"):
+        trainer.checkpoint_callback.setup(trainer, L.LightningModule(), "fit")
+
+    assert sorted(p.name for p in directory.iterdir()) == [
+        f".first.ckpt.tmp-{dead.pid}", f".last.ckpt.tmp-{os.getpid()}", "best.ckpt", "last.ckpt"]
+    (removed,) = [r.message for r in caplog.records if "removed" in r.message]
+    assert f"removed 2 temporaries left by killed writes in {directory}" in removed
+    (kept,) = [r.message for r in caplog.records if r.levelno == logging.WARNING
+               and "kept" in r.message]
+    assert f".first.ckpt.tmp-{dead.pid}" in kept and "may be the only copy" in kept
+    assert remove_stale_temporaries(directory) == []  # nothing left to do
+
+
+# ------------------------------------------------------------------------------ exact resume
+RESUME = ["fit", "--config", "configs/quickstart.yaml", "--trainer.limit_val_batches", "0",
+          "--trainer.enable_progress_bar", "false", "--data.batch_size", "4",
+          "--trainer.callbacks.init_args.every_n_train_steps", "6",
+          "--trainer.callbacks.init_args.monitor", "null",
+          "--trainer.callbacks.init_args.save_top_k", "0",
+          "--trainer.callbacks.init_args.keep_last", "4"]
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def batch_log(path):
+    return ["--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path", str(path)]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, small_vocab):
+    """12 steps straight; and the same run SIGKILLed at step 6 (after its checkpoint)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    straight = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                       "--trainer.default_root_dir", str(tmp / "straight"),
+                       *batch_log(tmp / "straight.jsonl"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                     "--trainer.default_root_dir", str(tmp / "run"),
+                     *batch_log(tmp / "first.jsonl"),
+                     "--trainer.callbacks+=tests.helpers.KillAt", "--trainer.callbacks.step", "6")
+    assert killed.returncode == -signal.SIGKILL
+    return tmp
+
+
+def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run, small_vocab):
+    tmp = killed_run
+    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                      "--trainer.default_root_dir", str(tmp / "run"),
+                      *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "data: resumed at block 24 of epoch 1 (verified)" in resumed.stderr
+    straight, first, after = (records(tmp / f) for f in ("straight.jsonl", "first.jsonl",
+                                                          "resumed.jsonl"))
+    assert [r["step"] for r in first] == list(range(6))
+    assert [r["step"] for r in after] == list(range(6, 12))
+    for a, b in zip(straight, first + after):  # batches, LR, losses, tokens seen: identical
+        assert (a["step"], a["batch"], a["lr"], a["tokens_seen"]) == \
+               (b["step"], b["batch"], b["lr"], b["tokens_seen"])
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run, small_vocab):
+    tmp = killed_run
+    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "9", "--data.batch_size", "8",
+                      "--trainer.default_root_dir", str(tmp / "run"),
+                      *batch_log(tmp / "bs8.jsonl"), "--ckpt_path",
+                      str(tmp / "run" / "checkpoints" / "step-0000006.ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = [s for r in records(tmp / "straight.jsonl") for s in r["samples"]]
+    after = [s for r in records(tmp / "bs8.jsonl") for s in r["samples"]]
+    assert after == straight[24:48]  # samples 24.. of the stream: nothing replayed or skipped
+
+
+def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, small_vocab, capsys,
+                                                              monkeypatch):
+    monkeypatch.chdir(ROOT)
+    message = fit_error(capsys, *small_vocab, "--trainer.default_root_dir",
+                        str(killed_run / "other"),
+                        "--model.config.block_size", "64", "--ckpt_path",
+                        str(killed_run / "run" / "checkpoints" / "step-0000006.ckpt"))
+    assert "block_size=64 but the checkpoint was trained with block_size=128" in message

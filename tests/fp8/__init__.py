@@ -1,0 +1,1 @@
+"""Tests of ``fp8_lightning/fp8/``."""
