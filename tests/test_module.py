@@ -107,6 +107,41 @@ def test_the_clip_folded_into_fused_adamw_is_the_separate_clip(max_norm):
         torch.testing.assert_close(folded, separate, rtol=1e-5, atol=1e-7)
 
 
+class NormCheck(L.Callback):
+    """Before each optimizer step: the norm the clip and the NaN guard read against the norm of
+    the gradients the module's parameters hold now."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        self.pairs.append((float(module.grad_norm), float(torch.nn.utils.get_total_norm(grads))))
+
+
+def test_the_gradient_norm_is_this_steps_in_every_run_of_the_module():
+    """The module looks its parameters up once per run (not per step): a second fit of the same
+    module whose parameters were replaced in between (as a strategy's setup does) reads the new
+    ones, never the first run's."""
+    torch.manual_seed(0)
+    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch", warmup_steps=1)
+    data = torch.randint(0, 512, (16, 17), generator=torch.Generator().manual_seed(0))
+    checks = []
+    for run in range(2):
+        if run:
+            module.model = None  # configure_model builds a new model: new parameter objects
+        check = NormCheck()
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, callbacks=[check], gradient_clip_val=1.0)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+        checks.append(check.pairs)
+    for pairs in checks:
+        assert len(pairs) == 2
+        for read, actual in pairs:
+            assert read == pytest.approx(actual, rel=1e-6) and actual > 0
+
+
 def test_the_memory_check_sees_the_runs_precision_accumulation_compile_and_checkpointing():
     """What the memory check estimates for (fp8_lightning/memory.py): read from the Trainer,
     the FP8 plugin and the data module as a fit configures them."""
