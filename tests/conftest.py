@@ -54,7 +54,13 @@ def pytest_collection_modifyitems(config, items):
     from fp8_lightning.te_support import te_status
 
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))  # stable within a file
+
+    def key(item):
+        path = item.path.resolve()
+        return rank.get(path.relative_to(TESTS).as_posix(), len(rank)) \
+            if path.is_relative_to(TESTS) else len(rank)
+
+    items.sort(key=key)  # stable within a file
 
     ok, reason = te_status()
     if ok and torch.cuda.is_available():

@@ -13,14 +13,11 @@ import textwrap
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
-from fp8_lightning.callbacks.checkpoint import Checkpoint
 from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, find_checkpoint,
-                                      load_checkpoint_file)
-from fp8_lightning.checkpoint import publish_directory
+                                      load_checkpoint_file, publish_directory)
 from fp8_lightning.config import ConfigError, GPTConfig
 from tests._runs import ROOT, cli_error
 from tests.helpers import small_checkpoint
@@ -130,31 +127,3 @@ def test_publish_directory_replaces_atomically_and_leaves_no_temporaries(tmp_pat
         publish_directory(tmp, target)
         assert (target / "shard").read_text() == generation
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-
-
-def test_ckpt_path_last_never_resumes_from_a_temporary(tmp_path):
-    """``trainer.fit(ckpt_path="last")`` (the Python API; the CLI resolves ``last`` itself) with
-    only a killed write's temporary in the directory starts afresh, and resumes from
-    ``last.ckpt`` once there is one."""
-    from fp8_lightning.module import GPTLightningModule
-
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / ".last.ckpt.tmp-123").mkdir()  # a kill mid-write left it
-    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
-
-    def fit(steps):
-        module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=16,
-                                                     vocab_size=257), backend="torch",
-                                    warmup_steps=1)
-        trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint(monitor=None)],
-                            max_steps=steps, accelerator="cpu", logger=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0)
-        trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=4), ckpt_path="last")
-        return trainer
-
-    assert fit(2).global_step == 2  # nothing to resume: a fresh start, and last.ckpt written
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    resumed = fit(3)
-    assert resumed.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert resumed.global_step == 3

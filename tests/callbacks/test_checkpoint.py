@@ -24,8 +24,8 @@ from fp8_lightning.callbacks.checkpoint import Checkpoint
 import fp8_lightning.checkpoint as checkpoint_module
 from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
                                       remove_stale_temporaries)
-from tests._runs import ROOT, fit_error
-from tests._runs import run_cli
+from fp8_lightning.config import GPTConfig
+from tests._runs import ROOT, fit_error, run_cli
 from tests.helpers import small_checkpoint
 
 
@@ -162,3 +162,36 @@ def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, small_
                         "--model.config.block_size", "64", "--ckpt_path",
                         str(killed_run / "run" / "checkpoints" / "step-0000006.ckpt"))
     assert "block_size=64 but the checkpoint was trained with block_size=128" in message
+
+
+def test_ckpt_path_last_resumes_from_the_runs_checkpoint_directory(tmp_path):
+    """``trainer.fit(ckpt_path="last")`` (the Python API; the CLI resolves ``last`` itself) with a
+    logger: Lightning alone would look in the logger's ``version_N/checkpoints``, where nothing
+    is; the callback's directory is ``<root>/checkpoints``, and ``last`` is looked up there. A
+    killed write's temporary there is never taken (Lightning's suffix check already skips
+    ``.last.ckpt.tmp-PID``; the callback's own filter is the second guard)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from fp8_lightning.module import GPTLightningModule
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".last.ckpt.tmp-123").mkdir()  # a kill mid-write left it
+    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
+
+    def fit(steps):
+        module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=16,
+                                                     vocab_size=257), backend="torch",
+                                    warmup_steps=1)
+        trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint(monitor=None)],
+                            max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp_path),
+                            enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0)
+        trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=4), ckpt_path="last")
+        return trainer
+
+    assert fit(2).global_step == 2  # nothing to resume: a fresh start, and last.ckpt written
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    resumed = fit(3)  # a new logger version: Lightning's own lookup would find nothing
+    assert resumed.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert resumed.global_step == 3
+
