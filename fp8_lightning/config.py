@@ -8,6 +8,7 @@ spelled the litgpt way. Validation collects every problem and raises one ``Confi
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, Optional
 
@@ -215,14 +216,9 @@ def check_micro_batch(batch_size: int, seq_len: int, field: str = "data.batch_si
     """FP8 GEMMs see (batch * seq) rows: that product must be a multiple of 16."""
     tokens = batch_size * seq_len
     if tokens % FP8_MULTIPLE:
-        step = FP8_MULTIPLE // _gcd(seq_len, FP8_MULTIPLE)
+        step = FP8_MULTIPLE // math.gcd(seq_len, FP8_MULTIPLE)
         raise ConfigError([
             f"{field}={batch_size} x seq_len={seq_len} = {tokens} tokens per micro-batch is not a "
             f"multiple of {FP8_MULTIPLE} (FP8 GEMMs need it); nearest valid {field}: "
             f"{nearest_multiple(batch_size, step)}"], "micro-batch")
 
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a

@@ -95,8 +95,7 @@ def parse_variant(name: str) -> Variant:
     problems = []
     if base not in BASES:
         problems.append(f"variant {name!r}; valid: {', '.join(BASES)}, optionally followed by "
-                        f"-bf16ends, -fp8-attn, -fp8-head (FP8 variants), -te-attn, -eager and "
-                        f"-nograph (TE variants)")
+                        f"any of {', '.join(SUFFIXES)}")
     else:
         backend, recipe, compiled = BASES[base]
         if "-te-attn" in flags and backend != "te":

@@ -176,7 +176,8 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
         if both:
             levers.append((f"model.activation_checkpointing: full and {fsdp(both)}",
                            replace(full, shards=both)))
-    said = [f"{name} -> {estimate_memory(config, shape).total / GIB:.1f} GiB"
-            f"{'' if fits(shape) else ' (not enough)'}" for name, shape in levers]
+    totals = [(name, estimate_memory(config, shape).total) for name, shape in levers]
+    said = [f"{name} -> {total / GIB:.1f} GiB{'' if total <= budget else ' (not enough)'}"
+            for name, total in totals]
     return (f"the run needs about {estimate.describe()} but {budget / GIB:.1f} GiB is free on the "
             f"GPU; levers: {'; '.join(said)}")

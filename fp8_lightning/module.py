@@ -172,11 +172,11 @@ class GPTLightningModule(L.LightningModule):
         self._compile_checked = False  # a training step has run compiled
         self._graphs: Any = None  # BlockGraphs once captured
         self._graphs_on: Optional[bool] = None  # decided at the first training step
-        # The parameters and the clip's fold, looked up once per run rather than per step:
-        # ``self.parameters()`` walks every submodule (~0.1 ms each call at GPT-2 124M on the
-        # H100's host) and the step needed it three times (bench --profile's host profile).
+        # The parameters and whether the clip folds into the optimizer, looked up at a run's
+        # first step rather than every step: ``self.parameters()`` walks every submodule (~0.1 ms
+        # a call at GPT-2 124M on the H100's host), twice a step (bench --profile's host profile).
         self._params: Optional[tuple[torch.nn.Parameter, ...]] = None
-        self._fold: Optional[tuple[int, bool]] = None  # (id(optimizer), takes_grad_scale)
+        self._fold: Optional[bool] = None
 
     @override
     def configure_model(self) -> None:
@@ -408,8 +408,9 @@ class GPTLightningModule(L.LightningModule):
         return loss
 
     def trained_parameters(self) -> tuple[torch.nn.Parameter, ...]:
-        """``self.parameters()``, kept from the first training step of a run (``on_train_start``
-        forgets it: FSDP2 swaps the parameters for DTensors during the strategy's setup)."""
+        """``self.parameters()``, kept from the first training step of a run (after the
+        strategy's setup, so FSDP2's DTensors); ``on_train_start`` forgets it, for a module
+        fitted again with other parameters."""
         if self._params is None:
             self._params = tuple(self.parameters())
         return self._params
@@ -432,9 +433,9 @@ class GPTLightningModule(L.LightningModule):
         # (Lightning's own path refuses fused optimizers under bf16-mixed, and the fused AdamW is
         # what lets the NaN guard skip a step on the device.)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
-        if self._fold is None or self._fold[0] != id(optimizer):
-            self._fold = (id(optimizer), takes_grad_scale(optimizer, self.trained_parameters()))
-        fold = self._fold[1]
+        if self._fold is None:  # one optimizer per run (configure_optimizers)
+            self._fold = takes_grad_scale(optimizer, self.trained_parameters())
+        fold = self._fold
         if fold:
             optimizer.grad_scale = None  # no clip this step unless set below
         if not gradient_clip_val:

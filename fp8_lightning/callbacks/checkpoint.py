@@ -56,10 +56,9 @@ class Checkpoint(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # `--ckpt_path last` is resolved before setup(): use the same default directory.
+        # (Lightning's lookup takes only `last*.ckpt`: never a killed write's .last.ckpt.tmp-PID.)
         self._use_default_dir(trainer)
-        # Never a temporary (.last.ckpt.tmp-PID) left by a kill mid-write.
-        return {p for p in super()._find_last_checkpoints(trainer)
-                if not os.path.basename(p).startswith(".")}
+        return super()._find_last_checkpoints(trainer)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -51,11 +51,6 @@ class NonFiniteTrainingError(RuntimeError):
     """Training produced non-finite values in BF16: not an FP8 problem."""
 
 
-def _info(message: str, warning: bool = True) -> None:
-    if rank_zero_only.rank == 0:
-        (log.warning if warning else log.info)(message)
-
-
 class NaNGuard(Callback):
     """Skip non-finite steps; after too many, roll back and fall back to BF16 for a while.
 
@@ -120,8 +115,9 @@ class NaNGuard(Callback):
         optimizers = trainer.optimizers
         self._device_skip = all(o.defaults.get("fused") for o in optimizers)
         if not self._device_skip:
-            _info("NaNGuard: the optimizer has no device-side skip (found_inf); checking every "
-                  "step on the host instead (one sync per step)", warning=False)
+            rank_zero_only(log.info)("NaNGuard: the optimizer has no device-side skip "
+                                     "(found_inf); checking every step on the host instead "
+                                     "(one sync per step)")
         device = pl_module.device
         self._flags = torch.zeros(self.check_every, dtype=torch.bool, device=device)
         self._pending = []
@@ -303,7 +299,8 @@ class NaNGuard(Callback):
     def _event(self, trainer: L.Trainer, kind: str, step: int, detail: str) -> None:
         event = {"event": kind, "step": int(step), "detail": detail}
         self.events.append(event)
-        _info(f"NaN guard: {kind} at step {step}: {detail}", warning=kind != "fp8_reenabled")
+        rank_zero_only(log.info if kind == "fp8_reenabled" else log.warning)(
+            f"NaN guard: {kind} at step {step}: {detail}")
         plugin = self._fp8_plugin(trainer)
         metrics = {"guard/skipped_steps": float(self.skipped_steps),
                    "guard/fp8_incidents": float(self.fp8_incidents)}

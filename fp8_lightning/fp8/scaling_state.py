@@ -94,4 +94,3 @@ def drop_foreign_extra_state(module: nn.Module, state_dict: dict, prefix: str, *
         rank_zero_only(log.warning)(f"{prefix.rstrip('.')}: ignoring pickled FP8 extra state from a checkpoint "
                        f"not written by fp8-lightning (unsafe to unpickle); the FP8 scales "
                        f"recalibrate. Set {UNSAFE_PICKLE_EXTRA_STATE_ENV}=1 only if you trust it.")
-

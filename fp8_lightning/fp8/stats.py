@@ -64,16 +64,6 @@ BF16_SUFFIX = "[bf16]"  # TE module names of layers the policy keeps BF16 (not m
 _STAT_NAME = re.compile(r"^(?P<layer>.+)_(?P<tensor>activation|gradient|weight)_(?P<stat>.+)$")
 
 
-def _info(message: str) -> None:
-    if rank_zero_only.rank == 0:
-        log.info(message)
-
-
-def _warn(message: str) -> None:
-    if rank_zero_only.rank == 0:
-        log.warning(message)
-
-
 def _fp8_active(trainer: "L.Trainer") -> bool:
     plugin = fp8_plugin(trainer)
     return plugin is not None and plugin.fp8_active
@@ -235,22 +225,23 @@ class FP8Stats(Callback):
         if stage != "fit":
             return
         self.enabled = False
+        warn = rank_zero_only(log.warning)
         plugin = fp8_plugin(trainer)
         if plugin is None:
-            _warn("FP8 stats off: the Trainer's precision plugin is not fp8_lightning.FP8Precision")
+            warn("FP8 stats off: the Trainer's precision plugin is not fp8_lightning.FP8Precision")
             return
         recipe = plugin.recipe_config["recipe"]
         if plugin.engine.name != "te":
-            _warn(f"FP8 stats off: they read TransformerEngine's FP8 state; engine "
-                  f"{plugin.engine.name!r} (recipe {recipe!r}) has none")
+            warn(f"FP8 stats off: they read TransformerEngine's FP8 state; engine "
+                 f"{plugin.engine.name!r} (recipe {recipe!r}) has none")
             return
         ok, reason = recipe_available(recipe)
         if not ok:
-            _warn(f"FP8 stats off: FP8 cannot run here ({reason})")
+            warn(f"FP8 stats off: FP8 cannot run here ({reason})")
             return
         backend = getattr(pl_module, "backend_name", "te")
         if backend != "te":
-            _warn(f"FP8 stats off: the model runs on the {backend} backend (no TE modules)")
+            warn(f"FP8 stats off: the model runs on the {backend} backend (no TE modules)")
             return
         self.enabled, self.recipe = True, recipe
         parts = []
@@ -259,7 +250,7 @@ class FP8Stats(Callback):
                          f"no amax/scale (recipe {recipe!r} keeps no amax history)")
         if self.tensor_stats:
             parts.append(self._start_debug(trainer, recipe))
-        _info(f"FP8 stats every {self.every_n_steps} steps: {'; '.join(parts)}")
+        rank_zero_only(log.info)(f"FP8 stats every {self.every_n_steps} steps: {'; '.join(parts)}")
 
     def _start_debug(self, trainer: "L.Trainer", recipe: str) -> str:
         try:
