@@ -186,11 +186,23 @@ def test_validation_runs_bf16_unless_fp8_eval(tokens):
 
 # ------------------------------------------------------------------ resume through the Trainer
 class Losses(L.Callback):
+    """Each step's loss, and the learning rate that step ran with."""
+
     def __init__(self):
-        self.values = {}
+        self.values, self.lrs = {}, {}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.values[trainer.global_step] = outputs["loss"].item()
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def lrs(trainer):
+    return next(c for c in trainer.callbacks if isinstance(c, Losses)).lrs
+
+
+def adam_steps(trainer):
+    """The optimizer's step count per parameter (Adam keeps one per tensor)."""
+    return {int(s["step"]) for s in trainer.optimizers[0].state.values()}
 
 
 class SaveAt(L.Callback):

@@ -106,7 +106,7 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
     step-20 checkpoint continues its curve (the same batch every step, so only the training state
     matters), the checkpoint is plain tensors with no scaling state, and it trains on in TE FP8
     delayed."""
-    from tests.test_gpu import fit
+    from tests.test_gpu import adam_steps, fit, lrs
 
     trainer, straight = fit(tmp_path / "a", tokens, 40, FP8Precision(recipe="tensorwise"),
                             save_at=20)
@@ -117,11 +117,13 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
     resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(recipe="tensorwise"),
                                    ckpt_path=at20)
     assert resumed_trainer.precision_plugin.fp8_active
+    # The schedule and the optimizer's moments came back too: the same learning rate at every
+    # step, and Adam counted 40 steps, not 20 (a fresh optimizer would count from the resume).
+    assert all(lrs(resumed_trainer)[s] == lrs(trainer)[s] for s in range(21, 41))
+    assert adam_steps(resumed_trainer) == adam_steps(trainer) == {40}
     # Step 21's loss is the forward of the restored weights (the uninterrupted run's own step-20
     # state), so only the forward's rounding differs: it checks the weights and the engine's
-    # conversion, not the optimizer moments or the schedule, which first act on step 22 (their
-    # restore is checked exactly on the CPU: tests/callbacks/test_checkpoint.py). Later steps
-    # drift: the embedding's backward adds atomically, so no two runs are bitwise equal (two runs
+    # conversion (the moments and the schedule first act on step 22). Later steps drift: the embedding's backward adds atomically, so no two runs are bitwise equal (two runs
     # of 20 steps each ended 0.0106 apart at step 21 on an H200, session 11), and the bound there
     # is the drift's.
     assert abs(resumed[21] - straight[21]) < 1e-3, (resumed[21], straight[21])
