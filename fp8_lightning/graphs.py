@@ -1,10 +1,10 @@
-"""CUDA graphs for the TE path: each transformer block's forward and backward replayed as one
-graph, through TransformerEngine's ``make_graphed_callables`` (which captures FP8, delayed scaling
+"""CUDA graphs for the TE path: the transformer blocks' forward and backward replayed as CUDA
+graphs (the whole stack as one, by default), through TransformerEngine's ``make_graphed_callables`` (which captures FP8, delayed scaling
 included, and keeps the amax/scale updates working across replays).
 
 Why: a TE block issues its kernels from Python (a few hundred microseconds of host work per
 module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A replayed graph
-costs the host one launch per block and direction.
+costs the host one launch per graph and direction.
 
 What stays outside the graphs: the embedding, the final norm, the LM head and the loss (the
 compiled loss is one call), the optimizer. The blocks' graphs are captured lazily at the first
@@ -16,7 +16,7 @@ the blocks run eagerly.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -35,43 +35,50 @@ def fp8_state() -> tuple[bool, Any, Any]:
     return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
 
 
+# What one graph replays: the whole stack of blocks (``model.blocks``: one forward and one
+# backward replay per step) or each block (two replays per block). Measured: see
+# docs/benchmarks.md, "Session 12".
+WHOLE_STACK = True
+
+
 class BlockGraphs:
     """The captured graphs of a model's blocks, and the switch between them and eager."""
 
     def __init__(self, model: nn.Module, batch_shape: tuple[int, int],
-                 clone_grads: bool = True) -> None:
+                 clone_grads: bool = True, whole_stack: Optional[bool] = None) -> None:
         fp8, recipe, group = fp8_state()
-        blocks = tuple(model.blocks)
+        whole_stack = WHOLE_STACK if whole_stack is None else whole_stack
+        units = (model.blocks,) if whole_stack else tuple(model.blocks)
         B, T = batch_shape
         weight = model.wte.weight
         dtype = model.residual_dtype(weight)  # the residual stream as the blocks receive it
-        # One sample per block: the residual stream (B, T, C) as the block receives it, and the
-        # RoPE tables (the same tensors every step, so a replay copies nothing for them).
+        # One sample per unit: the residual stream (B, T, C) as it enters, and the RoPE tables
+        # (the same tensors every step, so a replay copies nothing for them).
         samples = tuple((torch.randn(B, T, weight.shape[1], dtype=dtype,
                                      device=weight.device, requires_grad=True), *model.rope(T))
-                        for _ in blocks)
+                        for _ in units)
         self.key = self.key_of(batch_shape, fp8)
-        self.blocks = blocks
-        block_call = type(blocks[0]).__call__
+        self.units, self.n_blocks = units, len(model.blocks)
+        unit_call = type(units[0]).__call__
         try:
             # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
             # re-casting a weight used twice in one forward, which a replay never does.
             with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                 enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
-                te_module().make_graphed_callables(blocks, samples, num_warmup_iters=3,
+                te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
                                                    enabled=fp8, recipe=recipe,
                                                    amax_reduction_group=group,
                                                    clone_param_grads_on_return=clone_grads)
         finally:
             # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
-            type(blocks[0]).__call__ = block_call
-        # make_graphed_callables set each block's ``forward`` to its graphed version (TE falls
+            type(units[0]).__call__ = unit_call
+        # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls
         # back to the original one in eval mode); keep them, to switch per step.
-        self.graphed = [block.__dict__["forward"] for block in blocks]
+        self.graphed = [unit.__dict__["forward"] for unit in units]
         self.active = True
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back on every switch.
-        self.fp8_flags = {m: m.fp8 for block in blocks for m in block.modules() if hasattr(m, "fp8")}
+        self.fp8_flags = {m: m.fp8 for unit in units for m in unit.modules() if hasattr(m, "fp8")}
 
     @staticmethod
     def key_of(batch_shape: tuple[int, int], fp8: bool) -> tuple:
@@ -81,11 +88,11 @@ class BlockGraphs:
         """Replay the graphs (``on``) or run the blocks' own forward."""
         if on == self.active:
             return
-        for block, graphed in zip(self.blocks, self.graphed):
+        for unit, graphed in zip(self.units, self.graphed):
             if on:
-                block.forward = graphed
+                unit.forward = graphed
             else:
-                del block.forward  # the class's forward again
+                del unit.forward  # the class's forward again
         if on:
             for module, flag in self.fp8_flags.items():
                 module.fp8 = flag
@@ -129,13 +136,14 @@ def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
         try:
             graphs = BlockGraphs(model, batch_shape, clone_grads=accumulate_grad_batches > 1)
         except Exception as err:  # noqa: BLE001 - the step still runs, eagerly, and says why
-            for block in model.blocks:
-                block.__dict__.pop("forward", None)
+            for unit in (model.blocks, *model.blocks):
+                unit.__dict__.pop("forward", None)
             message = (str(err).strip().splitlines() or [""])[0][:300]
             log.warning("CUDA graphs: capture failed (%s: %s); training without them",
                         type(err).__name__, message)
             return FAILED
-        log.info("CUDA graphs: %d blocks captured for micro-batch %s (%s)", len(graphs.blocks),
+        log.info("CUDA graphs: %d blocks captured as %s for micro-batch %s (%s)",
+                 graphs.n_blocks, "one graph" if len(graphs.units) == 1 else "a graph each",
                  "x".join(map(str, batch_shape)), "FP8" if graphs.key[-1] else "BF16")
     graphs.use(graphs.matches(batch_shape))
     return graphs

@@ -12,6 +12,7 @@ modules (head split, QK-norm, RoPE, SDPA, the loss), leaving TE's modules to TE.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -104,6 +105,30 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
+class Blocks(nn.ModuleList):
+    """The transformer blocks, run in order: one module, so that one CUDA graph can replay the
+    whole stack (:mod:`fp8_lightning.graphs`). Parameter names stay ``blocks.<i>.*``.
+
+    Args:
+        checkpointed: the blocks whose whole forward is recomputed in the backward (with the
+            ``"mlp"`` mode the chosen blocks' MLPs recompute themselves instead).
+    """
+
+    def __init__(self, blocks: Iterable[nn.Module], checkpointed: Iterable[int] = (),
+                 backend: str = "torch") -> None:
+        super().__init__(blocks)
+        self.checkpointed, self.backend = set(checkpointed), backend
+
+    def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """The residual stream (B, T, C) through every block; ``rope``: cos, sin or nothing."""
+        for i, block in enumerate(self):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(self.backend, block, x, *rope)
+            else:
+                x = block(x, *rope)
+        return x
+
+
 class GPT(nn.Module):
     """A decoder-only transformer.
 
@@ -135,7 +160,6 @@ class GPT(nn.Module):
         chosen = set(checkpointed_blocks(c.n_layer, every)) if mode != "none" else set()
         # The blocks whose whole forward is recomputed in the backward ("full"); with "mlp" the
         # chosen blocks' MLPs recompute themselves.
-        self.checkpointed = chosen if mode == "full" else set()
         layers = LayerFactory(backend, attention)
         device = layers.device
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
@@ -145,8 +169,9 @@ class GPT(nn.Module):
             cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        self.blocks = nn.ModuleList(Block(c, layers, mode == "mlp" and i in chosen)
-                                    for i in range(c.n_layer))
+        self.blocks = Blocks((Block(c, layers, mode == "mlp" and i in chosen)
+                              for i in range(c.n_layer)),
+                             checkpointed=chosen if mode == "full" else (), backend=backend)
         self.norm_f = layers.norm(c.n_embd, kind=c.norm, eps=c.norm_eps)
         self.lm_head = layers.linear(c.n_embd, c.padded_vocab_size, bias=False,
                                      init_method=normal_init(0.02))
@@ -154,6 +179,11 @@ class GPT(nn.Module):
             self.wte.weight = self.lm_head.weight
         self.loss_fn = next_token_loss  # compile_model swaps in the compiled one (TE backend)
         self.reset_parameters()
+
+    @property
+    def checkpointed(self) -> set[int]:
+        """The blocks whose whole forward is recomputed in the backward (``"full"``)."""
+        return self.blocks.checkpointed
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -177,11 +207,7 @@ class GPT(nn.Module):
         in the loss or in sampling.
         """
         x, rope = self.embed(idx)
-        for i, block in enumerate(self.blocks):
-            if i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(self.backend, block, x, *rope)
-            else:
-                x = block(x, *rope)
+        x = self.blocks(x, *rope)  # (B, T, C)
         x = self.norm_f(x)
         logits = self.lm_head(x)  # (B, T, padded_vocab_size)
         if targets is not None:

@@ -161,3 +161,28 @@ def test_the_memory_check_sees_the_runs_precision_accumulation_compile_and_check
     default = module.memory_run(L.Trainer(accelerator="cpu", devices=1, logger=False), data)
     assert default.master_bytes == 4 and default.accumulate_grad_batches == 1
     assert module.memory_run(trainer, None) is None  # a plain DataLoader: not known in advance
+
+
+def test_train_loss_is_logged_on_the_loggers_steps_and_the_last(tmp_path):
+    """``self.log`` costs host time every step; the loss is logged only where Lightning writes
+    it (every log_every_n_steps) and on the last step, so callback_metrics ends on the last
+    step's loss."""
+    L.seed_everything(0)
+    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch", warmup_steps=2)
+    logged, losses = [], Losses()
+    log = module.log
+    module.log = lambda name, *a, **k: (logged.append((module.trainer.global_step + 1, name)),
+                                        log(name, *a, **k))
+    data = torch.randint(0, 512, (8 * 7, 65))
+    trainer = L.Trainer(max_steps=7, accelerator="cpu", devices=1, log_every_n_steps=3,
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[losses])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    assert [s for s, name in logged if name == "train/loss"] == [3, 6, 7]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    written = [int(r.split(",")[header.index("step")]) for r in rows[1:]
+               if r.split(",")[header.index("train/loss")]]
+    assert written == [2, 5]  # Lightning's 0-based step index: steps 3 and 6
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(losses.losses[-1])

@@ -16,7 +16,7 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
   ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
 * ``te-bf16``: the TransformerEngine backend in BF16 autocast.
-* TE variants compile the regions between TE modules and replay each block as a CUDA graph, as
+* TE variants compile the regions between TE modules and replay the blocks as a CUDA graph, as
   ``fit`` does on one GPU; ``-eager`` turns compilation off, ``-nograph`` the graphs.
 * ``fp8-<recipe>``: TE recipes (``delayed``, ``current``, ``block``, ``mxfp8``) on the TE
   backend, torchao recipes (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``) on the PyTorch
