@@ -8,7 +8,7 @@ of one step goes (torch.profiler, CPU side, the stack's step at 8 x 1024).
 
 Usage on the GPU machine: python scripts/graph_probe.py OUT_DIR
 """
-import sys, time
+import sys
 from pathlib import Path
 import lightning as L
 import torch
@@ -22,6 +22,7 @@ from fp8_lightning.callbacks.guard import NaNGuard
 from fp8_lightning.callbacks.monitor import TrainingMonitor
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.tokenizer import get_tokenizer
+from tests.helpers import StepTimer
 
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
@@ -75,14 +76,6 @@ for B in (8, 16):
     torch._dynamo.reset(); torch.cuda.empty_cache()
 
 
-class Timer(L.Callback):
-    def on_train_batch_end(s, trainer, *a):
-        if trainer.global_step == 55:
-            torch.cuda.synchronize(); s.t0 = time.perf_counter()
-    def on_train_end(s, trainer, *a):
-        torch.cuda.synchronize(); s.ms = (time.perf_counter() - s.t0) * 1e3 / (trainer.global_step - 55)
-
-
 ids = torch.tensor(get_tokenizer("gpt2").encode(EMBEDDED_CORPUS.read_text()))
 T = 1024
 n = ids.numel() // (T + 1)
@@ -94,7 +87,7 @@ def fit(stack):
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig(name="gpt2"), warmup_steps=10, lr_decay_steps=200)
     loader = torch.utils.data.DataLoader(blocks, batch_size=8, shuffle=False, drop_last=True, pin_memory=True)
-    t = Timer()
+    t = StepTimer(55)
     trainer = L.Trainer(max_steps=115, plugins=[FP8Precision(recipe="delayed")], accelerator="gpu", devices=1,
         logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         limit_val_batches=0, gradient_clip_val=1.0, default_root_dir=str(out / "fit"),
