@@ -1,6 +1,7 @@
 """CUDA graphs for the TE path: the transformer blocks' forward and backward replayed as CUDA
-graphs (the whole stack as one, by default), through TransformerEngine's ``make_graphed_callables`` (which captures FP8, delayed scaling
-included, and keeps the amax/scale updates working across replays).
+graphs (the whole stack as one, by default), through TransformerEngine's
+``make_graphed_callables`` (which captures FP8, delayed scaling included, and keeps the amax/scale
+updates working across replays).
 
 Why: a TE block issues its kernels from Python (a few hundred microseconds of host work per
 module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A replayed graph

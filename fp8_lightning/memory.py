@@ -38,6 +38,7 @@ context and the allocator's fragmentation are not in it: the check compares with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -148,8 +149,12 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
     if estimate.total <= budget:
         return None
 
+    @functools.cache  # each shape is estimated once (the levers are checked, then reported)
+    def total(shape: RunShape) -> float:
+        return estimate_memory(config, shape).total
+
     def fits(shape: RunShape) -> bool:
-        return estimate_memory(config, shape).total <= budget
+        return total(shape) <= budget
 
     def fewest_gpus(shape: RunShape) -> Optional[int]:  # doubling, up to 64; None: none do
         n = max(2, run.shards * 2, gpus)
@@ -176,8 +181,7 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
         if both:
             levers.append((f"model.activation_checkpointing: full and {fsdp(both)}",
                            replace(full, shards=both)))
-    totals = [(name, estimate_memory(config, shape).total) for name, shape in levers]
-    said = [f"{name} -> {total / GIB:.1f} GiB{'' if total <= budget else ' (not enough)'}"
-            for name, total in totals]
+    said = [f"{name} -> {total(shape) / GIB:.1f} GiB{'' if fits(shape) else ' (not enough)'}"
+            for name, shape in levers]
     return (f"the run needs about {estimate.describe()} but {budget / GIB:.1f} GiB is free on the "
             f"GPU; levers: {'; '.join(said)}")

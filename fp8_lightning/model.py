@@ -158,8 +158,6 @@ class GPT(nn.Module):
                              f"{', '.join(ACTIVATION_CHECKPOINTING)} and every from 1 to "
                              f"n_layer={c.n_layer}")
         chosen = set(checkpointed_blocks(c.n_layer, every)) if mode != "none" else set()
-        # The blocks whose whole forward is recomputed in the backward ("full"); with "mlp" the
-        # chosen blocks' MLPs recompute themselves.
         layers = LayerFactory(backend, attention)
         device = layers.device
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd, device=device)
@@ -169,6 +167,8 @@ class GPT(nn.Module):
             cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        # The chosen blocks: with "full" their whole forward is recomputed in the backward (Blocks),
+        # with "mlp" their MLPs recompute themselves (Block).
         self.blocks = Blocks((Block(c, layers, mode == "mlp" and i in chosen)
                               for i in range(c.n_layer)),
                              checkpointed=chosen if mode == "full" else (), backend=backend)

@@ -407,7 +407,9 @@ class GPTLightningModule(L.LightningModule):
         # one self.log costs 0.3-0.7 ms of host time (CPU A/B, session 12), 2-3% of a
         # host-bound GPT-2 step. So ``callback_metrics["train/loss"]`` is at most
         # log_every_n_steps - 1 steps old. Not on the progress bar: the bar reads it every step,
-        # a host sync (TrainingMonitor prints the loss instead).
+        # a host sync (TrainingMonitor prints the loss instead). The condition is the one Lightning
+        # writes to the loggers by (its private _LoggerConnector.should_update_logs), plus the
+        # last steps, so that callback_metrics ends on the run's final loss.
         trainer = self.trainer
         step = trainer.global_step + 1  # the step this batch completes
         if (step % max(1, trainer.log_every_n_steps) == 0 or step == trainer.max_steps

@@ -16,6 +16,7 @@ from fp8_lightning.callbacks.guard import NaNGuard
 from fp8_lightning.callbacks.monitor import TrainingMonitor
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.tokenizer import get_tokenizer
+from tests.helpers import StepTimer
 
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
@@ -55,13 +56,6 @@ class Prof(L.Callback):
         s.pr.disable(); torch.cuda.synchronize()
         s.ms = (time.perf_counter() - s.t0) * 1e3 / (trainer.global_step - 55)
 
-class Timer(L.Callback):
-    def on_train_batch_end(s, trainer, *a):
-        if trainer.global_step == 55:
-            torch.cuda.synchronize(); s.t0 = time.perf_counter()
-    def on_train_end(s, trainer, *a):
-        torch.cuda.synchronize(); s.ms = (time.perf_counter() - s.t0) * 1e3 / (trainer.global_step - 55)
-
 ids = torch.tensor(get_tokenizer("gpt2").encode(EMBEDDED_CORPUS.read_text()))
 n = ids.numel() // (T + 1)
 blocks = ids[: n * (T + 1)].view(n, T + 1).repeat(4, 1)
@@ -76,7 +70,7 @@ def fit(cbs, tag):
     trainer.fit(module, loader)
 
 for tag, extra in (("bare", []), ("cbs", [NaNGuard(), TrainingMonitor(log_every=10, sample_prompt=None, console=False)])):
-    t = Timer(); fit([t, *extra], tag); print(f"[fit {tag}] {t.ms:.2f} ms/step", flush=True)
+    t = StepTimer(55); fit([t, *extra], tag); print(f"[fit {tag}] {t.ms:.2f} ms/step", flush=True)
 p = Prof(); fit([p, NaNGuard(), TrainingMonitor(log_every=10, sample_prompt=None, console=False)], "prof")
 print(f"[fit prof] {p.ms:.2f} ms/step (under cProfile)", flush=True)
 dump(p.pr, "fit", 60)

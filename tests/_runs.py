@@ -1,7 +1,7 @@
 """The CLI runners of the tests (a process, this process, a run that must fail with one
-``error:`` line) and short quickstart fits through the CLI, run once per test session and shared by the console,
-monitor, generate and bad-input tests (each CLI fit costs tens of seconds on a small CPU), and
-the small vocabulary that fits which are not about the tokenizer train on."""
+``error:`` line); short quickstart fits through the CLI, run once per test session and shared by
+the console, monitor, generate and bad-input tests (each CLI fit costs tens of seconds on a small
+CPU); and the small vocabulary that fits which are not about the tokenizer train on."""
 
 import os
 import subprocess
