@@ -17,7 +17,7 @@ the blocks run eagerly.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,10 +46,9 @@ class BlockGraphs:
     """The captured graphs of a model's blocks, and the switch between them and eager."""
 
     def __init__(self, model: nn.Module, batch_shape: tuple[int, int],
-                 clone_grads: bool = True, whole_stack: Optional[bool] = None) -> None:
+                 clone_grads: bool = True) -> None:
         fp8, recipe, group = fp8_state()
-        whole_stack = WHOLE_STACK if whole_stack is None else whole_stack
-        units = (model.blocks,) if whole_stack else tuple(model.blocks)
+        units = (model.blocks,) if WHOLE_STACK else tuple(model.blocks)
         B, T = batch_shape
         weight = model.wte.weight
         dtype = model.residual_dtype(weight)  # the residual stream as the blocks receive it

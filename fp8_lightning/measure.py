@@ -50,7 +50,7 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
 
 
 SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph", "-fp32res",
-            "-bf16res", "-ac-full", "-ac-mlp")
+            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers")
 
 
 def method(device: torch.device) -> str:
@@ -84,6 +84,7 @@ class Variant:
     fp8_head: bool = False
     fp32_residual: Optional[bool] = None  # None: the backend's default
     activation_checkpointing: str = "none"
+    auto_layers: bool = False  # fp8_layers: auto
 
 
 def parse_variant(name: str) -> Variant:
@@ -100,7 +101,7 @@ def parse_variant(name: str) -> Variant:
         backend, recipe, compiled = BASES[base]
         if "-te-attn" in flags and backend != "te":
             problems.append(f"variant {name!r}: -te-attn needs a TE variant (te-bf16, fp8-*)")
-        for flag in ("-bf16ends", "-fp8-head"):
+        for flag in ("-bf16ends", "-fp8-head", "-autolayers"):
             if flag in flags and recipe is None:
                 problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
         if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
@@ -118,7 +119,8 @@ def parse_variant(name: str) -> Variant:
                    "-bf16ends" in flags, backend == "te" and "-nograph" not in flags,
                    "-fp8-attn" in flags, "-fp8-head" in flags,
                    True if "-fp32res" in flags else False if "-bf16res" in flags else None,
-                   "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none")
+                   "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none",
+                   "-autolayers" in flags)
 
 
 def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str]:
@@ -195,6 +197,7 @@ def build_step(variant: Variant, config: GPTConfig, batch_size: int, seq_len: in
     plugin = None
     if variant.recipe is not None:
         plugin = FP8Precision(**fp8_args)
+        plugin.tokens_per_micro_batch = batch_size * seq_len  # what fit's module tells it
         module = plugin.convert_module(module)
         context: Callable[[], Any] = plugin.train_step_context
     else:

@@ -62,6 +62,19 @@ def test_bench_runs_the_torchao_variants():
         assert result["precision"].startswith(f"FP8 {name[4:]} compiled")
 
 
+def test_bench_runs_torchaos_size_filter_one_gemm_of_a_fused_module_in_float8():
+    """``-autolayers`` (``fp8_layers: auto``) on torchao, compiled: with ffn_hidden 2048 only
+    fc1 (256 -> 2048) passes tensorwise's size filter; fc2 of the same module stays BF16."""
+    config = GPTConfig.from_name("gpt2", **dict(GPU_SMALL, ffn_hidden=2048))
+    result = measure(parse_variant("fp8-tensorwise-autolayers"), config, GPU_B, GPU_T, steps=3,
+                     warmup=2, device=torch.device("cuda"), module_class=GPTLightningModule,
+                     fp8_args=dict(recipe="tensorwise", fp8_layers="auto",
+                                   on_unavailable="error"))
+    assert result["status"] == "ran", result
+    assert {"blocks.0.qkv", "blocks.0.proj", "blocks.0.mlp.fc2_weight"} <= set(
+        result["bf16_modules"]) and "blocks.0.mlp" not in result["bf16_modules"]
+
+
 def test_auto_measures_chooses_and_the_run_trains_what_it_chose(tmp_path, tokens):
     import lightning as L
 

@@ -120,7 +120,7 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
     when the variant runs the config's recipe, and ``on_unavailable="error"``."""
     cfg = dict(run.fp8 or {})
     args: dict[str, Any] = {k: cfg[k] for k in ("fp8_lm_head", "bf16_first_layers",
-                                                "bf16_last_layers") if k in cfg}
+                                                "bf16_last_layers", "fp8_layers") if k in cfg}
     if cfg.get("recipe", "delayed") == variant.recipe:
         args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe].defaults})
     if variant.bf16_ends:
@@ -129,4 +129,6 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
         args.update(fp8_dpa=True)
     if variant.fp8_head:
         args.update(fp8_lm_head=True)
+    if variant.auto_layers:
+        args.update(fp8_layers="auto")
     return dict(args, recipe=variant.recipe, weights="bf16-mixed", on_unavailable="error")

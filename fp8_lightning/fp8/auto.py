@@ -54,7 +54,8 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
             timings[name] = None
             continue
         fp8_args = (None if variant.recipe is None else
-                    dict(recipe=variant.recipe, on_unavailable="error"))
+                    dict(recipe=variant.recipe, on_unavailable="error",
+                         fp8_layers="auto" if variant.auto_layers else "all"))
         result = measure(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
                          device=device, module_class=module_class, fp8_args=fp8_args)
         timings[name] = result["ms_per_step"] if result["status"] == "ran" else None

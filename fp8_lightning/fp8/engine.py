@@ -35,6 +35,13 @@ class Engine:
         """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove."""
         raise NotImplementedError
 
+    def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
+                  config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
+        """``fp8_layers: auto``: ``{module or module.weight name: why}`` for the GEMMs beyond
+        ``keep`` that would not gain from FP8 at ``tokens`` per micro-batch (``None``: unknown),
+        and how that was decided (for the log line)."""
+        return {}, f"is not supported by engine {self.name}: every GEMM the policy allows runs FP8"
+
     def context(self, fp8: bool, amax_group: Any = None) -> Any:
         """The forward context of a step (FP8 on or off)."""
         return nullcontext()

@@ -83,10 +83,11 @@ class FP8PrecisionBase(FabricPrecision):
         fp8_lm_head: run the LM head in FP8 (default BF16).
         bf16_first_layers: the first N transformer blocks stay BF16.
         bf16_last_layers: the last N transformer blocks stay BF16.
-        fp8_layers: ``all`` (every GEMM the policy allows) or ``auto``: each distinct GEMM shape
-            is timed in BF16 and in FP8 at the run's micro-batch on this GPU (TE engine; a few
-            seconds at start-up) and a layer whose GEMMs are not faster in FP8 stays BF16, logged
-            with the figures.
+        fp8_layers: ``all`` (every GEMM the policy allows) or ``auto``: the GEMMs too small to
+            gain from FP8 stay BF16, logged with why. TE engine: each distinct GEMM shape is timed
+            in BF16 and in FP8 at the run's micro-batch on this GPU (a few seconds at start-up)
+            and a layer whose GEMMs are not faster in FP8 stays BF16. torchao engine: torchao's
+            own size filter for the recipe (torchtitan's ``auto_filter_small_kn``), per GEMM.
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
     """
 
@@ -242,7 +243,7 @@ class FP8PrecisionBase(FabricPrecision):
                                               bf16_first_layers=self.bf16_first_layers,
                                               bf16_last_layers=self.bf16_last_layers)
         if self.fp8_layers == "auto":
-            self.bf16_modules.update(self._measured_slower(gpt))
+            self.bf16_modules.update(self._auto_layers(gpt))
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self.fp8_active, self.reason = True, reason
@@ -253,29 +254,13 @@ class FP8PrecisionBase(FabricPrecision):
         self._apply_loaded_state()
         return module
 
-    def _measured_slower(self, gpt: nn.Module) -> dict[str, str]:
-        """``fp8_layers: auto``: the layers whose GEMM shapes time slower in FP8 here."""
-        if self.engine.name != "te":
-            log.info("fp8_layers=auto times TE's GEMMs; engine %s: every layer the policy "
-                     "allows runs FP8", self.engine.name)
-            return {}
-        from .gemm_timing import Gemm, time_gemm
-        from .policy import slower_in_fp8
-        from .te_engine import make_te_recipe
-
-        tokens = self.tokens_per_micro_batch or 8 * 1024
-        recipe = make_te_recipe(self.recipe_config)
-
-        def time_shape(shape: tuple[int, int], fp8: bool) -> float:
-            gemm = Gemm(f"{shape[1]}->{shape[0]}", shape[1], shape[0], bias=False)
-            return time_gemm(gemm, tokens, recipe if fp8 else None)
-
-        slower = slower_in_fp8(self.engine.gemm_modules(gpt), self.bf16_modules, time_shape)
-        rank_zero_only(log.info)(
-            "fp8_layers=auto at %d tokens per micro-batch%s: %s", tokens,
-            "" if self.tokens_per_micro_batch else " (assumed: the micro-batch is unknown)",
-            "; ".join(f"{k}: {v}" for k, v in slower.items()) or "every layer is faster in FP8")
-        return slower
+    def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
+        """``fp8_layers: auto``: the GEMMs the engine finds would not gain from FP8 here."""
+        kept, how = self.engine.auto_bf16(self.engine.gemm_modules(gpt), self.bf16_modules,
+                                          self.recipe_config, self.tokens_per_micro_batch)
+        rank_zero_only(log.info)("fp8_layers=auto %s: %s", how, "; ".join(
+            f"{k}: {v}" for k, v in kept.items()) or "every GEMM gains from FP8")
+        return kept
 
     # ----------------------------------------------------------------------------- contexts
     @contextmanager

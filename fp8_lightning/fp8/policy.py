@@ -1,6 +1,9 @@
 """The layer policy: the one filter that decides which GEMM modules run FP8 and which stay BF16
-(the LM head, the first/last N blocks, any GEMM whose dims FP8 cannot take). Both engines ask it,
-with the GEMM modules they would convert."""
+(the LM head, the first/last N blocks, any GEMM whose dims FP8 cannot take, and with
+``fp8_layers: auto`` the GEMMs too small to gain). Both engines ask it, with the GEMM modules they
+would convert. Its answer is ``{name: why}``: a module name (the whole module stays BF16) or, for
+``fp8_layers: auto`` on the torchao engine, ``<module>.<weight>`` (that one GEMM of a fused module
+stays BF16, e.g. ``blocks.0.mlp.fc2_weight``)."""
 
 from __future__ import annotations
 
@@ -51,9 +54,15 @@ def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
     return any(name == k or name.startswith(k + ".") for k in bf16_modules)
 
 
+def gemm_weights(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
+    return {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)
+            if p.ndim == 2}
+
+
 def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
     """The (out, in) weight shapes of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
-    return [tuple(p.shape) for p in module.parameters(recurse=False) if p.ndim == 2]
+    return list(gemm_weights(module).values())
 
 
 def slower_in_fp8(gemm_modules: dict[str, nn.Module], keep: dict[str, str],

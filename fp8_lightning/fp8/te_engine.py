@@ -67,6 +67,24 @@ class TEEngine(Engine):
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         return te_gemm_modules(model)
 
+    def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
+                  config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
+        """Each distinct GEMM shape timed in TE FP8 and in BF16 on this GPU; a module whose
+        GEMMs together are not faster in FP8 stays BF16."""
+        from .gemm_timing import Gemm, time_gemm
+        from .policy import slower_in_fp8
+
+        recipe = make_te_recipe(config)
+        measured_tokens = tokens or 8 * 1024
+
+        def time_shape(shape: tuple[int, int], fp8: bool) -> float:
+            gemm = Gemm(f"{shape[1]}->{shape[0]}", shape[1], shape[0], bias=False)
+            return time_gemm(gemm, measured_tokens, recipe if fp8 else None)
+
+        how = (f"at {measured_tokens} tokens per micro-batch"
+               + ("" if tokens else " (assumed: the micro-batch is unknown)"))
+        return slower_in_fp8(gemm_modules, keep, time_shape), how
+
     def convert(self, model: nn.Module, config: dict[str, Any],
                 bf16_modules: dict[str, str]) -> list[Any]:
         te = te_module()

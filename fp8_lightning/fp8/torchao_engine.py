@@ -10,21 +10,23 @@ Why not ``torchao.float8.convert_to_float8_training``: it swaps ``nn.Linear`` mo
 (``LayerNormLinear``, ``LayerNormMLP`` with ``fc1_weight``/``fc2_weight``) that keep TE's
 parameter names so checkpoints move between backends. The engine calls the same autograd
 function ``Float8Linear.forward`` calls (``matmul_with_hp_or_float8_args``), with the recipe's
-``Float8LinearConfig``, from each converted layer's matmuls. Not built yet: FSDP2's float8
+``Float8LinearConfig``, from each converted layer's matmuls; a fused layer may run one of its
+GEMMs in float8 and the other in BF16 (``fp8_layers: auto``). Not built yet: FSDP2's float8
 all-gather of weights (``enable_fsdp_float8_all_gather``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, FrozenSet, Optional
 
 import torch
+import torch.nn.functional as F
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from ..te_support import gpu_fp8_capable
 from .engine import Engine
-from .policy import runs_bf16
+from .policy import gemm_weights, runs_bf16
 
 TORCHAO_MIN_VERSION = "0.12"  # Float8LinearConfig.from_recipe_name with the three recipes
 TORCHAO_REQUIREMENT = RequirementCache(f"torchao>={TORCHAO_MIN_VERSION}")
@@ -32,10 +34,12 @@ TORCHAO_REQUIREMENT = RequirementCache(f"torchao>={TORCHAO_MIN_VERSION}")
 MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0), "rowwise_with_gw_hp": (9, 0)}
 
 
-def float8_linear(recipe: str) -> Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
-                                           torch.Tensor]:
+def float8_linear(recipe: str, bf16_shapes: FrozenSet[tuple[int, int]] = frozenset()
+                  ) -> Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
     """``F.linear(x, weight, bias)`` with the GEMMs (forward and both backward) in float8 by
-    torchao's ``recipe``; what ``torchao.float8.Float8Linear.forward`` does."""
+    torchao's ``recipe``; what ``torchao.float8.Float8Linear.forward`` does. A weight whose
+    (out, in) shape is in ``bf16_shapes`` keeps ``F.linear`` (a static shape: under
+    ``torch.compile`` the test is decided while tracing)."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
@@ -47,6 +51,8 @@ def float8_linear(recipe: str) -> Callable[[torch.Tensor, torch.Tensor, Optional
     mm_config = LinearMMConfig(*mm)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if tuple(weight.shape) in bf16_shapes:
+            return F.linear(x, weight, bias)
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the dtype autocast would give F.linear's input
             x = x.to(torch.get_autocast_dtype(device))
@@ -57,6 +63,25 @@ def float8_linear(recipe: str) -> Callable[[torch.Tensor, torch.Tensor, Optional
     return linear
 
 
+def size_filter(recipe: str) -> Optional[Callable[[tuple[int, int]], bool]]:
+    """torchao's own "does float8 pay for this GEMM" heuristic for ``recipe`` (dims multiples of
+    16 and above its per-recipe size thresholds, from its H100 benchmarks), as a test of one
+    ``(out, in)`` weight shape; ``None`` where torchao has none (``rowwise_with_gw_hp``).
+
+    torchao offers it only as a filter of ``nn.Linear`` modules (the experimental
+    ``_auto_filter_for_recipe``, which torchtitan's ``float8.filter_fqns: [auto_filter_small_kn]``
+    calls); our fused layers hold two GEMMs each, so it is asked about a meta-device
+    ``nn.Linear`` of each weight's shape rather than copying its thresholds here.
+    """
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    try:
+        pays = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    except NotImplementedError:
+        return None
+    return lambda shape: pays(nn.Linear(shape[1], shape[0], bias=False, device="meta"), "")
+
+
 class TorchaoEngine(Engine):
     """Float8 GEMMs in the PyTorch layers; the switch to BF16 puts ``F.linear`` back."""
 
@@ -64,7 +89,7 @@ class TorchaoEngine(Engine):
 
     def __init__(self) -> None:
         self.converted: dict[str, nn.Module] = {}
-        self.gemm: Optional[Callable[..., torch.Tensor]] = None
+        self.gemms: dict[str, Callable[..., torch.Tensor]] = {}  # each converted module's GEMM
 
     def available(self, recipe: str) -> tuple[bool, str]:
         if not TORCHAO_REQUIREMENT:
@@ -84,19 +109,44 @@ class TorchaoEngine(Engine):
 
         return {name: m for name, m in model.named_modules() if isinstance(m, _Gemms)}
 
+    def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
+                  config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
+        """torchao's size filter per GEMM (the micro-batch does not enter it): a module whose
+        GEMMs all fail it stays BF16 whole, one whose GEMMs differ keeps the small one BF16
+        (``<module>.<weight>``)."""
+        recipe = config["recipe"]
+        pays = size_filter(recipe)
+        if pays is None:
+            return {}, (f"has no torchao size filter for {recipe}: every GEMM the policy allows "
+                        "runs FP8")
+        kept: dict[str, str] = {}
+        for name, module in gemm_modules.items():
+            if runs_bf16(name, keep):
+                continue
+            small = {w: s for w, s in gemm_weights(module).items() if not pays(s)}
+            why = {w: f"fp8_layers=auto: torchao's {recipe} size filter ({s[1]}->{s[0]})"
+                   for w, s in small.items()}
+            if len(small) == len(gemm_weights(module)):
+                kept[name] = "; ".join(why.values())
+            else:
+                kept.update({f"{name}.{w}": reason for w, reason in why.items()})
+        return kept, f"by torchao's size filter for {recipe}"
+
     def convert(self, model: nn.Module, config: dict[str, Any],
                 bf16_modules: dict[str, str]) -> list[Any]:
-        self.gemm = float8_linear(config["recipe"])
         self.converted = {name: m for name, m in self.gemm_modules(model).items()
                           if not runs_bf16(name, bf16_modules)}
+        self.gemms = {name: float8_linear(config["recipe"], frozenset(
+            shape for weight, shape in gemm_weights(m).items() if f"{name}.{weight}" in bf16_modules))
+            for name, m in self.converted.items()}
         self.set_enabled(model, True)
         return []
 
     def set_enabled(self, model: nn.Module, on: bool) -> None:
         # A changed attribute is a guard failure for torch.compile: the next step recompiles
         # once, for each state (FP8 / BF16), then both graphs are cached.
-        for module in self.converted.values():
-            module.float8 = self.gemm if on else None
+        for name, module in self.converted.items():
+            module.float8 = self.gemms[name] if on else None
 
     def modules_ran(self, model: Optional[nn.Module]) -> list[str]:
         """The converted layers whose matmuls go through the float8 GEMM (every call of theirs

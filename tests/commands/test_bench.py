@@ -85,6 +85,8 @@ def test_variant_names():
     assert parse_variant("fp8-delayed-te-attn").fp32_residual is None  # the backend's default
     assert parse_variant("fp8-delayed-te-attn-fp32res").fp32_residual is True
     assert parse_variant("fp8-tensorwise-bf16res").fp32_residual is False
+    assert parse_variant("fp8-tensorwise-autolayers").auto_layers  # fp8_layers: auto
+    assert not parse_variant("fp8-tensorwise").auto_layers
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
                          ("te-bf16-fp32res-bf16res", "-fp32res or -bf16res, not both"),
                          ("torch-compile-ac-mlp-ac-full", "-ac-full or -ac-mlp, not both"),
@@ -92,6 +94,7 @@ def test_variant_names():
                          ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant"),
                          ("torch-compile-nograph", "-nograph needs a TE variant"),
                          ("te-bf16-fp8-head", "-fp8-head needs an FP8 variant"),
+                         ("torch-compile-autolayers", "-autolayers needs an FP8 variant"),
                          ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)
@@ -125,6 +128,8 @@ def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     fp8_attn = fp8_plugin_args(run, parse_variant("fp8-current-fp8-attn-fp8-head"))
     assert fp8_attn["fp8_dpa"] is True and fp8_attn["fp8_lm_head"] is True
     assert FP8Precision(**fp8_attn).recipe_config["fp8_dpa"] is True
+    assert "fp8_layers" not in block  # the config's (fp8_layers: all, the plugin's default)
+    assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-autolayers"))["fp8_layers"] == "auto"
 
 
 def test_bench_errors_name_the_field(tmp_path):

@@ -78,6 +78,54 @@ def test_torchao_engine_runs_float8_gemms_and_switches_back(recipe):
         assert torch.equal(model(idx, idx), twin(idx, idx))
 
 
+def test_fp8_layers_auto_on_torchao_asks_torchaos_size_filter_per_gemm():
+    """At GPT-2 124M torchao's tensorwise thresholds (no float8 where K <= 4096 and N <= 1024)
+    keep the attention projection whole and the MLP's fc2 (one GEMM of the fused module) BF16;
+    rowwise's keep every GEMM of that size BF16; rowwise_with_gw_hp has no filter."""
+    engine = get_engine("torchao")
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig.from_name("gpt2"))
+    gemms, keep = engine.gemm_modules(gpt2), {"lm_head": "fp8_lm_head=false"}
+    kept, how = engine.auto_bf16(gemms, keep, build_recipe_config("tensorwise"), None)
+    assert how == "by torchao's size filter for tensorwise"
+    assert sorted(kept) == sorted([f"blocks.{i}.proj" for i in range(12)]
+                                  + [f"blocks.{i}.mlp.fc2_weight" for i in range(12)])
+    assert kept["blocks.3.mlp.fc2_weight"] == \
+        "fp8_layers=auto: torchao's tensorwise size filter (3072->768)"
+    kept, _ = engine.auto_bf16(gemms, keep, build_recipe_config("rowwise"), None)
+    assert sorted(kept) == sorted(f"blocks.{i}.{m}" for i in range(12)
+                                  for m in ("qkv", "proj", "mlp"))
+    assert kept["blocks.0.mlp"] == ("fp8_layers=auto: torchao's rowwise size filter (768->3072); "
+                                    "fp8_layers=auto: torchao's rowwise size filter (3072->768)")
+    kept, how = engine.auto_bf16(gemms, keep, build_recipe_config("rowwise_with_gw_hp"), None)
+    assert kept == {} and "no torchao size filter for rowwise_with_gw_hp" in how
+
+
+def test_torchao_runs_one_gemm_of_a_fused_module_in_float8_and_the_other_bf16():
+    """A model whose fc1 (64 -> 1040) passes tensorwise's filter and nothing else does: each
+    forward runs exactly one float8 GEMM per block, and the loss still trains."""
+    config = GPTConfig(name="tiny", n_layer=2, vocab_size=512, n_embd=64, n_head=4,
+                       ffn_hidden=1040)
+    torch.manual_seed(0)
+    model = GPT(config)
+    engine = get_engine("torchao")
+    keep = {"lm_head": "fp8_lm_head=false"}
+    kept, _ = engine.auto_bf16(engine.gemm_modules(model), keep,
+                               build_recipe_config("tensorwise"), None)
+    assert sorted(kept) == sorted(f"blocks.{i}.{w}" for i in range(2)
+                                  for w in ("qkv", "proj", "mlp.fc2_weight"))
+    engine.convert(model, build_recipe_config("tensorwise"), {**keep, **kept})
+    assert sorted(engine.modules_ran(model)) == ["blocks.0.mlp", "blocks.1.mlp"]
+    idx = torch.randint(0, 512, (2, 32))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+    scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+    assert scaled_mm == 2  # fc1 of each block; qkv, proj, fc2 and the head ran F.linear
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_torchao_checkpoints_are_plain_and_load_into_either_backend_layout():
     engine, model, twin = make_pair("tensorwise")
     state = model.state_dict()
