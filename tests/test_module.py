@@ -1,11 +1,11 @@
-"""GPTLightningModule's training step: compiled or eager, the same losses; bench runs this step."""
+"""GPTLightningModule's training step: compiled or eager, the same losses (bench builds this
+step: tests/test_measure.py)."""
 
 import lightning as L
 import pytest
 import torch
 
 from fp8_lightning import module as module_lib
-from fp8_lightning.measure import build_step, parse_variant
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.module import GPTLightningModule
 
@@ -65,18 +65,6 @@ def test_a_failing_compilation_falls_back_to_eager_with_the_reason(monkeypatch):
         module, losses = fit(3, compile=True)
     assert module.compiled is None and len(losses) == 3 and all(map(torch.isfinite, map(torch.tensor, losses)))
     torch._dynamo.reset()
-
-
-def test_bench_times_the_modules_training_step():
-    config = GPTConfig(**CONFIG)
-    step, plugin = build_step(parse_variant("torch-eager"), config, 2, 32,
-                              device=torch.device("cpu"), module_class=GPTLightningModule)
-    module = step.module
-    assert isinstance(module, GPTLightningModule) and plugin is None and module.compiled is None
-    before = [p.detach().clone() for p in module.parameters()]
-    loss = step()
-    assert torch.isfinite(loss)
-    assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters()) if p.ndim == 2)
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and left as it is
