@@ -69,17 +69,18 @@ def _fmt_tflops(value: float) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The printed table: ran variants, then skipped/failed ones with their reasons."""
     s = report["setup"]
+    w = max([26] + [len(r["variant"]) + 2 for r in report["results"]])  # the variant column
     lines = [f"bench: {s['model']} ({s['n_layer']} layers), batch {s['batch_size']} x seq "
              f"{s['seq_len']}, {s['warmup']} warm-up + {s['steps']} timed steps, on "
              f"{report['env']['device']}; speedup vs {report['baseline'] or '-'}",
-             f"{'variant':<26}{'precision':<30}{'tok/s':>12}{'ms/step':>10}{'host ms':>9}"
+             f"{'variant':<{w}}{'precision':<30}{'tok/s':>12}{'ms/step':>10}{'host ms':>9}"
              f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>9}{'speedup':>9}"]
     skipped = []
     for r in report["results"]:
         if r["status"] != "ran":
             skipped.append(f"  {r['variant']}: {r['status']}: {r['reason']}")
             continue
-        lines.append(f"{r['variant']:<26}{r['precision'][:29]:<30}{r['tokens_per_s']:>12,.0f}"
+        lines.append(f"{r['variant']:<{w}}{r['precision'][:29]:<30}{r['tokens_per_s']:>12,.0f}"
                      f"{r['ms_per_step']:>10.2f}{_fmt(r.get('host_ms'), '.1f'):>9}"
                      f"{_fmt_tflops(r['tflops']):>9}"
                      f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%'):>7}"
@@ -88,11 +89,11 @@ def format_table(report: dict[str, Any]) -> str:
     if profiled:
         categories = sorted({c for r in profiled for c in r["profile_ms"] if c != "total"})
         lines.append("GPU kernel ms per step (profiler), host ms per step:")
-        lines.append(f"{'variant':<26}" + "".join(f"{c[:12]:>13}" for c in categories)
+        lines.append(f"{'variant':<{w}}" + "".join(f"{c[:12]:>13}" for c in categories)
                      + f"{'total':>9}{'host':>8}")
         for r in profiled:
             p = r["profile_ms"]
-            lines.append(f"{r['variant']:<26}" + "".join(f"{p.get(c, 0.0):>13.2f}" for c in categories)
+            lines.append(f"{r['variant']:<{w}}" + "".join(f"{p.get(c, 0.0):>13.2f}" for c in categories)
                          + f"{p['total']:>9.2f}{_fmt(r.get('host_ms'), '.1f'):>8}")
     for r in profiled:
         if r.get("host_profile"):

@@ -108,3 +108,15 @@ def test_bench_cuts_layers_and_grows_block_size(tmp_path):
     setup = report["setup"]
     assert setup["n_layer"] == 1 and setup["model_config"]["block_size"] == 160
     assert report["results"][0]["status"] == "ran"
+
+
+def test_a_long_variant_name_keeps_its_column(tmp_path):
+    """The variant column widens to the longest name ran (a 26-character name ran into the
+    precision column: ``fp8-tensorwise-autolayers-bf16resFP8 tensorwise``)."""
+    from fp8_lightning.commands.bench import format_table
+
+    name = "torch-eager-bf16res-ac-full"
+    report = bench(QUICKSTART, variants=f"torch-eager,{name}", steps=1, warmup=1, batch_size=1,
+                   seq_len=32, n_layer=1, output_dir=str(tmp_path))
+    rows = [line.split() for line in format_table(report).splitlines()[2:4]]
+    assert [row[0] for row in rows] == ["torch-eager", name] and rows[1][1] == "BF16"
