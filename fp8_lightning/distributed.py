@@ -102,6 +102,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             ``float32``: fp32 gathers with BF16 autocast, the numerics of one GPU or DDP; with TE
             FP8 layers TransformerEngine 2.20 fails in backward under FSDP2 ("GEMM requested the
             columnwise representation, but it is unavailable"), so that combination is refused.
+        float8_all_gather: gather the weights of the float8 GEMMs as float8 (half the bytes of
+            BF16 gathers), their scales from one all-reduce per step: the torchao engine with
+            recipe ``tensorwise`` (torchao has it for no other recipe; the TE engine's FP8 weights
+            are not built here). Elsewhere it logs why not and weights gather in BF16. While the
+            NaN guard runs BF16, the gathered weights keep float8's rounding.
         save_distributed_checkpoint: checkpoints as directories of shards (written in parallel,
             reshardable; ``python -m fp8_lightning consolidate`` makes one file of them) or as one
             file gathered on rank 0.
@@ -110,7 +115,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     """
 
     def __init__(self, reshard_after_forward: bool = True, param_dtype: str = "bfloat16",
-                 save_distributed_checkpoint: bool = True,
+                 float8_all_gather: bool = False, save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout) -> None:
         from .config import ConfigError
@@ -123,6 +128,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
+        self.float8_all_gather = float8_all_gather
+        self._float8_weights: list[torch.Tensor] = []  # sharded, gathered as float8
 
     @override
     def setup_environment(self) -> None:
@@ -145,8 +152,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         weights = plugin.weights if plugin is not None else trainer.precision
         if self.param_dtype == "bfloat16" and weights == "bf16-mixed":
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        gathered = []
+        if self.float8_all_gather and plugin is not None:
+            gathered = plugin.float8_all_gather(gpt)  # before fully_shard, which must see them
+        elif self.float8_all_gather:
+            log.warning("FSDP2Strategy.float8_all_gather: no FP8 plugin; weights gather in BF16")
         shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
                     reshard_after_forward=self.reshard_after_forward)
+        # fully_shard replaced each parameter by its DTensor shard: the weights as they are now
+        self._float8_weights = [getattr(module, name) for module, name in gathered]
         super().setup(trainer)  # converts the module: the FP8 plugin knows now if FP8 runs
         if mp_policy is None and plugin is not None and plugin.fp8_available:
             from .config import ConfigError
@@ -155,6 +169,24 @@ class FSDP2Strategy(ModelParallelStrategy):
                                "TransformerEngine layers: TE fails in backward with fp32 gathers "
                                "under FSDP2 (seen with TE 2.20); use param_dtype: bfloat16"],
                               "trainer.strategy")
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._float8_weights:  # the scales of the weights as they are now (also after a
+            # resume or a NaN-guard rollback), in one all-reduce, for this step's all-gathers
+            from .fp8.torchao_engine import precompute_float8_scales
+
+            precompute_float8_scales(self._float8_weights)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        if self._float8_weights:  # the weights changed: no stale scale for a validation gather
+            from .fp8.torchao_engine import forget_float8_scales
+
+            forget_float8_scales(self._float8_weights)
+        return out
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None

@@ -314,6 +314,15 @@ class GPTLightningModule(L.LightningModule):
         self.compiled = compile_model(self.model)
         rank_zero_info(f"compile: {self.compiled} (torch.compile; the first steps compile)")
 
+    @property
+    def graphed(self) -> Optional[str]:
+        """What the blocks' CUDA graphs replay now, ``"FP8"`` or ``"BF16"``; None while no graph
+        replays (not captured, off, or stepped aside for a BF16 fallback)."""
+        graphs = self._graphs
+        if graphs is None or not graphs.active:
+            return None
+        return "FP8" if graphs.key[-1] else "BF16"
+
     def _use_graphs(self) -> bool:
         if self._graphs_on is None:
             from .graphs import graphs_status

@@ -216,17 +216,20 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(self.directory / f"at{self.step}.ckpt")
 
 
-def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto", save_at=None):
+def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto", save_at=None,
+        strategy="auto", callbacks=(), **module_args):
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig.from_name("gpt2", **SMALL), backend=backend,
-                                learning_rate=1e-3, warmup_steps=5, lr_decay_steps=40)
+                                learning_rate=1e-3, warmup_steps=5, lr_decay_steps=40,
+                                **module_args)
     losses = Losses()
     plugins = [precision] if isinstance(precision, FP8Precision) else None
     trainer = L.Trainer(max_steps=steps, plugins=plugins,
                         precision=None if plugins else precision, accelerator="gpu", devices=1,
-                        logger=False, enable_progress_bar=False, limit_val_batches=0,
-                        default_root_dir=tmp_path,
-                        callbacks=[losses] + ([SaveAt(save_at, tmp_path)] if save_at else []),
+                        strategy=strategy, logger=False, enable_progress_bar=False,
+                        limit_val_batches=0, default_root_dir=tmp_path,
+                        callbacks=[losses, *callbacks] + ([SaveAt(save_at, tmp_path)]
+                                                          if save_at else []),
                         enable_checkpointing=True)
     # Every batch is the same batch: the loss curve then depends only on the training state
     # (weights, optimizer, schedule, FP8 scaling), not on where the loader resumes. A plain

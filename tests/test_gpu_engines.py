@@ -147,3 +147,52 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
                                 ckpt_path=at20)
     assert te_trainer.precision_plugin.fp8_active and te_trainer.precision_plugin.engine.name == "te"
     assert abs(te_losses[21] - straight[21]) < 0.05, (te_losses[21], straight[21])
+
+
+def test_torchao_fsdp2_float8_all_gather_trains_resumes_and_consolidates_into_te(tmp_path,
+                                                                                 tokens):
+    """``FSDP2Strategy(float8_all_gather=True)`` over one GPU (FSDP2's all-gather hooks run with a
+    world of one): the GEMMs receive float8 weights, the curve is that of BF16 gathers, the
+    sharded checkpoint resumes the curve and consolidates into a file TE FP8 trains on. Eager,
+    as FSDP2 runs on several GPUs by default (model.compile off there)."""
+    import lightning as L
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from fp8_lightning.commands.checkpoints import consolidate
+    from fp8_lightning.distributed import FSDP2Strategy
+    from tests.test_gpu import fit
+
+    class Gathered(L.Callback):  # the weight types the first block's MLP receives in forward
+        def __init__(self):
+            self.types = set()
+
+        def on_train_start(self, trainer, module):
+            module.model.blocks[0].mlp.register_forward_pre_hook(
+                lambda m, args: self.types.add(type(m.fc1_weight)))
+
+    def run(path, steps, float8_all_gather, **kwargs):
+        return fit(tmp_path / path, tokens, steps, FP8Precision(recipe="tensorwise"),
+                   strategy=FSDP2Strategy(float8_all_gather=float8_all_gather), compile=False,
+                   **kwargs)
+
+    _, bf16_gathers = run("bf16", 20, False)
+    gathered = Gathered()
+    trainer, straight = run("f8", 40, True, save_at=20, callbacks=[gathered])
+    assert trainer.precision_plugin.fp8_active and gathered.types == {Float8TrainingTensor}
+    gap = max(abs(straight[s] - bf16_gathers[s]) / bf16_gathers[s] for s in range(1, 21))
+    print(f"\n[float8 all-gather] loss at 20: {straight[20]:.4f} (BF16 gathers "
+          f"{bf16_gathers[20]:.4f}), worst relative gap over 20 steps {gap:.4f}")
+    assert gap < 0.02
+    at20 = tmp_path / "f8" / "at20.ckpt"
+    assert at20.is_dir()  # FSDP2's sharded checkpoint
+    _, resumed = run("resumed", 40, True, ckpt_path=at20)
+    assert abs(resumed[21] - straight[21]) < 2e-3, (resumed[21], straight[21])
+    for step in (30, 40):
+        assert abs(resumed[step] - straight[step]) < 3e-2, (step, resumed[step], straight[step])
+    one = consolidate(str(at20), str(tmp_path / "one.ckpt"))
+    state = torch.load(one, weights_only=True)["state_dict"]  # plain tensors, no torchao class
+    assert all(type(v) is torch.Tensor for v in state.values())
+    te_trainer, te_losses = fit(tmp_path / "te", tokens, 30, FP8Precision(), backend="te",
+                                ckpt_path=one)
+    assert te_trainer.precision_plugin.engine.name == "te" and te_trainer.precision_plugin.fp8_active
+    assert abs(te_losses[21] - straight[21]) < 0.05, (te_losses[21], straight[21])

@@ -76,15 +76,14 @@ def test_compiled_and_eager_fp8_agree_over_50_steps(tmp_path, blocks):
 
 def test_cuda_graph_path_trains_checkpoints_and_resumes(tmp_path, blocks):
     trainer, full = fit(tmp_path / "full", blocks, 40, n_layer=4)
-    module = trainer.lightning_module
-    assert module._graphs is not None and module._graphs.active and module._graphs.key[-1]
+    assert trainer.lightning_module.graphed == "FP8"
     assert trainer.precision_plugin.fp8_active
     trainer, first = fit(tmp_path / "first", blocks, 20, n_layer=4)
     ckpt = tmp_path / "at20.ckpt"
     trainer.save_checkpoint(ckpt)
     trainer, resumed = fit(tmp_path / "resumed", blocks, 40, n_layer=4, skip_batches=20,
                            ckpt_path=str(ckpt))
-    assert trainer.lightning_module._graphs.active
+    assert trainer.lightning_module.graphed == "FP8"
     assert trainer.precision_plugin.scaling_restored > 0
     print(f"\n[graphs resume] loss at 40: uninterrupted {full[40]:.4f}, resumed {resumed[40]:.4f}")
     assert full[40] < full[1] - 2
@@ -105,7 +104,7 @@ def test_graphs_train_as_eager_blocks_do(tmp_path, blocks, accumulate):
                    accumulate_grad_batches=accumulate)
     trainer, graphed = fit(tmp_path / "graphs", blocks, 20, n_layer=4,
                            accumulate_grad_batches=accumulate)
-    assert trainer.lightning_module._graphs.active
+    assert trainer.lightning_module.graphed == "FP8"
     worst = max(abs(graphed[s] - eager[s]) / eager[s] for s in eager)
     print(f"\n[graphs vs eager, accumulate {accumulate}] loss at 20: {graphed[20]:.4f} vs "
           f"{eager[20]:.4f}, worst relative gap {worst:.4f}")
@@ -122,7 +121,7 @@ def test_graphs_step_aside_for_bf16_fallback_and_return(tmp_path, blocks):
                 plugin.enable_fp8(step=20)
 
     trainer, losses = fit(tmp_path, blocks, 30, n_layer=4, callbacks=[FallBack()])
-    assert trainer.precision_plugin.fp8_active and trainer.lightning_module._graphs.active
+    assert trainer.precision_plugin.fp8_active and trainer.lightning_module.graphed == "FP8"
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()) and losses[30] < losses[1]
 
 

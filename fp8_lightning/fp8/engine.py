@@ -40,7 +40,13 @@ class Engine:
         """``fp8_layers: auto``: ``{module or module.weight name: why}`` for the GEMMs beyond
         ``keep`` that would not gain from FP8 at ``tokens`` per micro-batch (``None``: unknown),
         and how that was decided (for the log line)."""
-        return {}, f"is not supported by engine {self.name}: every GEMM the policy allows runs FP8"
+        return {}, f"is not supported by engine {self.name}"
+
+    def float8_all_gather(self, model: nn.Module, config: dict[str, Any],
+                          bf16_modules: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], str]:
+        """Before FSDP2 shards ``model``: make the weights of the GEMMs that will run FP8 gather
+        as FP8; the ``(module, weight name)`` pairs made so, and what was done or why not."""
+        return [], f"engine {self.name} has no FP8 all-gather"
 
     def context(self, fp8: bool, amax_group: Any = None) -> Any:
         """The forward context of a step (FP8 on or off)."""

@@ -150,6 +150,7 @@ class FP8PrecisionBase(FabricPrecision):
         self._converted = False  # the engine has converted the model (FP8 can be switched on)
         self._verify_pending = False
         self._loaded_state: Optional[dict[str, Any]] = None  # loaded before set-up: applied there
+        self._planned: Optional[tuple[nn.Module, dict[str, str]]] = None  # see _plan_bf16
         self.scaling_restored = 0  # TE modules whose delayed-scaling state came from a checkpoint
 
     # ----------------------------------------------------------------------------- status
@@ -193,9 +194,7 @@ class FP8PrecisionBase(FabricPrecision):
         """The model backend the engine (or ``engine: auto``'s BF16 choice) needs."""
         return "torch" if self.auto_bf16 else self.engine.backend
 
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        gpt = find_gpt(module)
+    def _check_layers(self, gpt: nn.Module) -> None:
         n_layer = len(getattr(gpt, "blocks", []))
         too_many = [f"{key}={value} is more than the model's {n_layer} blocks"
                     for key, value in (("bf16_first_layers", self.bf16_first_layers),
@@ -203,6 +202,44 @@ class FP8PrecisionBase(FabricPrecision):
                     if value > n_layer]
         if too_many:
             raise ConfigError(too_many + [f"valid: 0 to {n_layer}"], "FP8Precision")
+
+    def _plan_bf16(self, gpt: nn.Module) -> dict[str, str]:
+        """The GEMMs kept BF16: the layer policy, then ``fp8_layers: auto``'s answer (once per
+        model: a plan made before FSDP2 sharded it is the one :meth:`convert_module` uses)."""
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] is gpt:
+            return planned[1]
+        bf16 = bf16_module_names(gpt, self.engine.gemm_modules(gpt), fp8_lm_head=self.fp8_lm_head,
+                                 bf16_first_layers=self.bf16_first_layers,
+                                 bf16_last_layers=self.bf16_last_layers)
+        if self.fp8_layers == "auto":
+            bf16.update(self._auto_layers(gpt))
+        return bf16
+
+    def float8_all_gather(self, gpt: nn.Module) -> list[tuple[nn.Module, str]]:
+        """Before FSDP2 shards ``gpt`` (``FSDP2Strategy(float8_all_gather=True)``): the engine
+        makes the weights of the GEMMs that will run FP8 gather as FP8. Returns them as
+        ``(module, weight name)``, or none with the reason logged (then weights gather in BF16,
+        as without the option)."""
+        self._check_layers(gpt)
+        ok, reason = self.engine.available(self.recipe_config["recipe"])
+        if self.auto_bf16:
+            ok, reason = False, self.auto_bf16
+        elif ok and not self.engine.gemm_modules(gpt):
+            ok, reason = False, f"the model has no layers engine {self.engine.name!r} converts"
+        pairs: list[tuple[nn.Module, str]] = []
+        if ok:
+            bf16 = self._plan_bf16(gpt)
+            self._planned = (gpt, bf16)
+            pairs, reason = self.engine.float8_all_gather(gpt, self.recipe_config, bf16)
+        rank_zero_only(log.info)("FSDP2 float8 all-gather: %s", reason if pairs else
+                                 f"off ({reason}); weights gather in BF16")
+        return pairs
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        gpt = find_gpt(module)
+        self._check_layers(gpt)
         self._model_ref = weakref.ref(gpt)
         # Decided once here, not on every step: the strategy has set up devices and process
         # groups before it converts the module.
@@ -238,12 +275,7 @@ class FP8PrecisionBase(FabricPrecision):
             self._apply_loaded_state()
             return module
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
-        self.bf16_modules = bf16_module_names(gpt, self.engine.gemm_modules(gpt),
-                                              fp8_lm_head=self.fp8_lm_head,
-                                              bf16_first_layers=self.bf16_first_layers,
-                                              bf16_last_layers=self.bf16_last_layers)
-        if self.fp8_layers == "auto":
-            self.bf16_modules.update(self._auto_layers(gpt))
+        self.bf16_modules = self._plan_bf16(gpt)
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self.fp8_active, self.reason = True, reason
@@ -259,7 +291,7 @@ class FP8PrecisionBase(FabricPrecision):
         kept, how = self.engine.auto_bf16(self.engine.gemm_modules(gpt), self.bf16_modules,
                                           self.recipe_config, self.tokens_per_micro_batch)
         rank_zero_only(log.info)("fp8_layers=auto %s: %s", how, "; ".join(
-            f"{k}: {v}" for k, v in kept.items()) or "every GEMM gains from FP8")
+            f"{k}: {v}" for k, v in kept.items()) or "no GEMM kept BF16")
         return kept
 
     # ----------------------------------------------------------------------------- contexts

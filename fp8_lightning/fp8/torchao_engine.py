@@ -11,12 +11,19 @@ Why not ``torchao.float8.convert_to_float8_training``: it swaps ``nn.Linear`` mo
 parameter names so checkpoints move between backends. The engine calls the same autograd
 function ``Float8Linear.forward`` calls (``matmul_with_hp_or_float8_args``), with the recipe's
 ``Float8LinearConfig``, from each converted layer's matmuls; a fused layer may run one of its
-GEMMs in float8 and the other in BF16 (``fp8_layers: auto``). Not built yet: FSDP2's float8
-all-gather of weights (``enable_fsdp_float8_all_gather``).
+GEMMs in float8 and the other in BF16 (``fp8_layers: auto``).
+
+Under FSDP2 (``FSDP2Strategy(float8_all_gather=True)``, tensorwise) the float8 GEMMs' weights
+gather as float8 (:meth:`TorchaoEngine.float8_all_gather`): torchao's
+``WeightWithDynamicFloat8CastTensor``, what ``enable_fsdp_float8_all_gather`` gives a
+``Float8Linear``, with the scales of all of them from one all-reduce per step
+(:func:`precompute_float8_scales`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, FrozenSet, Optional
 
 import torch
@@ -40,15 +47,9 @@ def float8_linear(recipe: str, bf16_shapes: FrozenSet[tuple[int, int]] = frozens
     torchao's ``recipe``; what ``torchao.float8.Float8Linear.forward`` does. A weight whose
     (out, in) shape is in ``bf16_shapes`` keeps ``F.linear`` (a static shape: under
     ``torch.compile`` the test is decided while tracing)."""
-    from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    mm = [ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
-          for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
-                       config.gemm_config_grad_weight)]
-    mm_config = LinearMMConfig(*mm)
+    config, mm_config = _configs(recipe)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if tuple(weight.shape) in bf16_shapes:
@@ -61,6 +62,20 @@ def float8_linear(recipe: str, bf16_shapes: FrozenSet[tuple[int, int]] = frozens
 
     linear.recipe = recipe  # type: ignore[attr-defined]
     return linear
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(recipe: str) -> tuple[Any, Any]:
+    """The recipe's ``Float8LinearConfig`` and the ``LinearMMConfig`` its GEMMs use, built once
+    (as ``Float8Linear.__init__`` builds them)."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    mm = [ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+          for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
+                       config.gemm_config_grad_weight)]
+    return config, LinearMMConfig(*mm)
 
 
 def size_filter(recipe: str) -> Optional[Callable[[tuple[int, int]], bool]]:
@@ -82,6 +97,64 @@ def size_filter(recipe: str) -> Optional[Callable[[tuple[int, int]], bool]]:
     return lambda shape: pays(nn.Linear(shape[1], shape[0], bias=False, device="meta"), "")
 
 
+def _plain_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                   local_metadata: Any) -> None:
+    """A state-dict hook: each float8-gathered weight as its plain tensor (a ``DTensor`` of it
+    under FSDP2), so that checkpoints hold no torchao subclass and load into either backend,
+    into BF16 and without torchao."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    for key, value in state_dict.items():
+        local = getattr(value, "_local_tensor", value)
+        if key.startswith(prefix) and isinstance(local, WeightWithDynamicFloat8CastTensor):
+            plain = local._tensor.detach()
+            if local is value:
+                state_dict[key] = plain
+            else:
+                from torch.distributed.tensor import DTensor
+
+                state_dict[key] = DTensor.from_local(plain, value.device_mesh,
+                                                     value.placements, shape=value.shape,
+                                                     stride=value.stride())
+
+
+@torch.no_grad()
+def precompute_float8_scales(weights: list[torch.Tensor]) -> None:
+    """Every float8-gathered weight's tensorwise scale from its current values, in one fused
+    amax and one all-reduce, for FSDP2's next all-gathers (without it each weight's gather
+    all-reduces its own amax). torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does this
+    for its ``Float8Linear`` modules only, which this package's fused layers are not; the
+    arithmetic is the same."""
+    from torchao.float8.float8_utils import EPS
+
+    if not weights:
+        return
+    locals_ = [getattr(w, "_local_tensor", w) for w in weights]
+    amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # (n,) DTensor: Partial
+    amax = torch.clamp(amax, EPS).to(torch.float64)  # the all-reduce: Replicate
+    scale = torch.finfo(locals_[0]._dtype).max / amax
+    scale = getattr(scale, "to_local", lambda: scale)().to(torch.float32)
+    for i, local in enumerate(locals_):
+        local._precomputed_scale = scale[i]
+
+
+def forget_float8_scales(weights: list[torch.Tensor]) -> None:
+    """After the weights change (an optimizer step): gathers compute their own scales until the
+    next :func:`precompute_float8_scales`, never a stale one."""
+    for w in weights:
+        getattr(w, "_local_tensor", w)._precomputed_scale = None
+
+
+def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` for the BF16 fallback of a float8-gathered weight: FSDP2 hands the GEMM a
+    ``Float8TrainingTensor``, taken back to its high precision (the weight keeps float8's
+    rounding while FP8 is off; activations and gradients are BF16)."""
+    if hasattr(weight, "to_original_precision"):
+        weight = weight.to_original_precision()
+    return F.linear(x, weight, bias)
+
+
 class TorchaoEngine(Engine):
     """Float8 GEMMs in the PyTorch layers; the switch to BF16 puts ``F.linear`` back."""
 
@@ -90,6 +163,7 @@ class TorchaoEngine(Engine):
     def __init__(self) -> None:
         self.converted: dict[str, nn.Module] = {}
         self.gemms: dict[str, Callable[..., torch.Tensor]] = {}  # each converted module's GEMM
+        self.gathered: list[tuple[nn.Module, str]] = []  # weights FSDP2 gathers as float8
 
     def available(self, recipe: str) -> tuple[bool, str]:
         if not TORCHAO_REQUIREMENT:
@@ -117,20 +191,50 @@ class TorchaoEngine(Engine):
         recipe = config["recipe"]
         pays = size_filter(recipe)
         if pays is None:
-            return {}, (f"has no torchao size filter for {recipe}: every GEMM the policy allows "
-                        "runs FP8")
+            return {}, f"has no torchao size filter for {recipe}"
         kept: dict[str, str] = {}
         for name, module in gemm_modules.items():
             if runs_bf16(name, keep):
                 continue
-            small = {w: s for w, s in gemm_weights(module).items() if not pays(s)}
+            weights = gemm_weights(module)
+            small = {w: s for w, s in weights.items() if not pays(s)}
             why = {w: f"fp8_layers=auto: torchao's {recipe} size filter ({s[1]}->{s[0]})"
                    for w, s in small.items()}
-            if len(small) == len(gemm_weights(module)):
+            if len(small) == len(weights):
                 kept[name] = "; ".join(why.values())
             else:
                 kept.update({f"{name}.{w}": reason for w, reason in why.items()})
         return kept, f"by torchao's size filter for {recipe}"
+
+    def float8_all_gather(self, model: nn.Module, config: dict[str, Any],
+                          bf16_modules: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], str]:
+        """Wrap each float8 GEMM weight in torchao's ``WeightWithDynamicFloat8CastTensor``, as
+        ``Float8Linear.from_float`` does with ``enable_fsdp_float8_all_gather``: ``fully_shard``
+        (which must come after) then gathers its float8 data and scale, half the bytes of a BF16
+        gather, and the GEMM receives a ``Float8TrainingTensor``. Tensorwise only in torchao."""
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        recipe = config["recipe"]
+        if recipe != "tensorwise":
+            return [], f"torchao gathers float8 for recipe tensorwise only, not {recipe}"
+        f8_config, mm_config = _configs(recipe)
+        dtype = f8_config.cast_config_weight.target_dtype
+        pairs = []
+        for name, module in self.gemm_modules(model).items():
+            if runs_bf16(name, bf16_modules):
+                continue
+            for weight in gemm_weights(module):
+                if f"{name}.{weight}" in bf16_modules:
+                    continue
+                param = getattr(module, weight)
+                setattr(module, weight, nn.Parameter(
+                    WeightWithDynamicFloat8CastTensor(param, mm_config, dtype),
+                    requires_grad=param.requires_grad))
+                pairs.append((module, weight))
+        if pairs:
+            model.register_state_dict_post_hook(_plain_weights)
+        self.gathered = pairs
+        return pairs, f"{len(pairs)} GEMM weights gather as float8 (torchao, tensorwise)"
 
     def convert(self, model: nn.Module, config: dict[str, Any],
                 bf16_modules: dict[str, str]) -> list[Any]:
@@ -145,8 +249,9 @@ class TorchaoEngine(Engine):
     def set_enabled(self, model: nn.Module, on: bool) -> None:
         # A changed attribute is a guard failure for torch.compile: the next step recompiles
         # once, for each state (FP8 / BF16), then both graphs are cached.
+        off = dequantizing_linear if self.gathered else None
         for name, module in self.converted.items():
-            module.float8 = self.gemms[name] if on else None
+            module.float8 = self.gemms[name] if on else off
 
     def modules_ran(self, model: Optional[nn.Module]) -> list[str]:
         """The converted layers whose matmuls go through the float8 GEMM (every call of theirs

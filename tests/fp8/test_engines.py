@@ -214,3 +214,74 @@ def test_auto_with_several_processes_takes_rank_zeros_choice():
     assert choose_engine(plugin, GPTLightningModule, CONFIG, 2, 32, "sdpa", broadcast) == "torch"
     assert sent == [("delayed", "no GPU: nothing to measure")]  # what this rank measured
     assert plugin.engine.name == "torchao" and plugin.recipe_config == {"recipe": "rowwise"}
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of one (gloo) and its 1-D mesh: FSDP2's all-gather hooks run for real."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_float8_all_gather_hands_the_gemm_float8_and_checkpoints_plain_tensors(one_rank):
+    """FSDP2Strategy(float8_all_gather=True)'s engine half: weights wrapped before fully_shard
+    arrive at the GEMM as float8, their scales precomputed as torchao computes them, the loss
+    that of BF16 gathers; the state dict holds plain tensors that load into an unsharded model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from fp8_lightning.distributed import full_tensor, shard_model
+    from fp8_lightning.fp8.torchao_engine import forget_float8_scales, precompute_float8_scales
+
+    recipe, keep = build_recipe_config("tensorwise"), {"lm_head": "fp8_lm_head=false"}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    models, engines, seen = [GPT(CONFIG), GPT(CONFIG)], [], []
+    models[1].load_state_dict(models[0].state_dict())
+    for i, model in enumerate(models):  # 0: float8 gathers, 1: BF16 gathers
+        engines.append(get_engine("torchao"))
+        if i == 0:
+            pairs, how = engines[0].float8_all_gather(model, recipe, keep)
+            assert how == "8 GEMM weights gather as float8 (torchao, tensorwise)"
+        shard_model(model, one_rank, mp_policy=mp)
+        engines[i].convert(model, recipe, keep)
+        model.blocks[0].mlp.register_forward_pre_hook(
+            lambda m, args: seen.append(type(m.fc1_weight)))
+    weights = [getattr(module, name) for module, name in pairs]
+    assert len(weights) == 2 * 4  # qkv, proj, fc1, fc2 per block; the LM head stays BF16
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    idx = torch.randint(0, 512, (2, 33))
+    for step in range(3):
+        precompute_float8_scales(weights)
+        w = weights[0]
+        expected = torch.finfo(torch.float8_e4m3fn).max / full_tensor(w).abs().max().double()
+        assert torch.allclose(w._local_tensor._precomputed_scale, expected.float())
+        losses = []
+        for model, optimizer in zip(models, optimizers):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        forget_float8_scales(weights)
+        assert w._local_tensor._precomputed_scale is None
+        assert seen[-2:] == [Float8TrainingTensor, torch.nn.Parameter], seen[-2:]
+        assert abs(losses[0] - losses[1]) < 0.02 * losses[1], (step, losses)
+    engines[0].set_enabled(models[0], False)  # the BF16 fallback takes the float8 weight back
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(models[0](idx[:, :-1], idx[:, 1:]))
+    state = models[0].state_dict()
+    assert all(type(getattr(v, "_local_tensor", v)) is torch.Tensor for v in state.values())
+    plain = GPT(CONFIG)
+    plain.load_state_dict({k: full_tensor(v) for k, v in state.items()})
+    assert torch.equal(plain.blocks[1].mlp.fc2_weight, full_tensor(weights[-1]).detach())
+    models[0].load_state_dict(models[1].state_dict())  # into the wrapped shards, in place
+    assert torch.equal(full_tensor(weights[0]), full_tensor(models[1].blocks[0].qkv.weight))
