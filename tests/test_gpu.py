@@ -226,7 +226,10 @@ def fit(tmp_path, tokens, steps, precision, ckpt_path=None, backend="auto", save
     plugins = [precision] if isinstance(precision, FP8Precision) else None
     trainer = L.Trainer(max_steps=steps, plugins=plugins,
                         precision=None if plugins else precision, accelerator="gpu", devices=1,
-                        strategy=strategy, logger=False, enable_progress_bar=False,
+                        # the one batch every step under FSDP2 too (Lightning would put a
+                        # shuffling DistributedSampler in, even for a world of one)
+                        strategy=strategy, use_distributed_sampler=False, logger=False,
+                        enable_progress_bar=False,
                         limit_val_batches=0, default_root_dir=tmp_path,
                         callbacks=[losses, *callbacks] + ([SaveAt(save_at, tmp_path)]
                                                           if save_at else []),
