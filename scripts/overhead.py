@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import lightning as L
@@ -31,23 +30,10 @@ from fp8_lightning.fp8.stats import FP8Stats
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its tests' timer
+from tests.helpers import StepTimer  # noqa: E402 - after the path
+
 B, T = 8, 1024
-
-
-class StepTimer(L.Callback):
-    """ms per optimizer step from step ``start`` to the end: two syncs in all."""
-
-    def __init__(self, start: int) -> None:
-        self.start, self.t0, self.ms = start, 0.0, float("nan")
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == self.start:
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, module):
-        torch.cuda.synchronize()
-        self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
 
 
 def corpus_blocks() -> torch.Tensor:
