@@ -97,17 +97,18 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_hf.py::test_fine_tune_from_hf_under_the_fp8_plugin",
         "tests/test_hf.py::test_init_from_with_a_different_config_names_every_field",
         "tests/test_hf.py::test_init_from_with_another_tokenizer_than_the_data_is_one_error_line",
+        "tests/test_hf.py::test_init_from_of_another_shape_than_the_config_is_one_error_line",
         "tests/test_gpu_hf.py::test_converted_gpt2_fine_tunes_under_fp8_and_converts_back", GPU),
     "python -m fp8_lightning convert --to-hf runs/gpt2_fp8/checkpoints/last.ckpt hf/gpt2-mine": (
         "tests/test_readme.py::test_other_commands_take_their_flags",
-        "tests/test_hf.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
-        "tests/test_hf.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
+        "tests/commands/test_convert.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
+        "tests/commands/test_convert.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
     "python -m fp8_lightning convert --from-hf hf/gpt2 gpt2.ckpt": (
         "tests/test_readme.py::test_other_commands_take_their_flags",
         "tests/test_hf.py::test_weights_in_give_transformers_logits",
-        "tests/test_hf.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
-        "tests/test_hf.py::test_converted_checkpoint_generates_and_records_its_tokenizer",
-        "tests/test_hf.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
+        "tests/commands/test_convert.py::test_round_trip_in_then_out_is_identical_and_loads_in_transformers",
+        "tests/commands/test_convert.py::test_converted_checkpoint_generates_and_records_its_tokenizer",
+        "tests/commands/test_convert.py::test_bad_input_is_one_error_line_naming_the_file_and_field"),
     "python -m fp8_lightning bench --config configs/gpt2_fp8.yaml": (
         GPU, "tests/test_gpu_bench.py::test_bench_runs_every_variant_or_says_why",
         "tests/commands/test_bench.py::test_bench_cli_prints_table_and_writes_json_and_png"),
