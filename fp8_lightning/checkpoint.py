@@ -69,7 +69,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -127,7 +127,7 @@ def publish_directory(tmp: Path, path: Path) -> None:
         if _exchange(tmp, path):
             old = tmp  # after the swap, tmp holds the previous checkpoint
         else:  # two renames: in between, the previous checkpoint sits at `old` (never lost)
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            old = temporary_beside(path, "old")
             os.replace(path, old)
             os.replace(tmp, path)
         if old.is_dir() and not old.is_symlink():
@@ -140,6 +140,14 @@ def publish_directory(tmp: Path, path: Path) -> None:
 
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+
+
+def temporary_beside(path: Path, kind: str = "tmp", pid: Optional[int] = None) -> Path:
+    """``.NAME.tmp-PID`` (or ``.NAME.old-PID``) beside ``path``: where a write goes before it is
+    renamed into place. Hidden, so Lightning's ``last*.ckpt`` lookup never takes one;
+    :func:`remove_stale_temporaries` finds a killed write's by this name (``pid``: the writer's,
+    this process's by default)."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid() if pid is None else pid}")
 
 
 def _running(pid: int) -> bool:
@@ -186,7 +194,7 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[str]:
 
 def link_copy_directory(src: Path, dst: Path) -> None:
     """``dst`` as a copy of checkpoint directory ``src`` made of hard links (no extra write)."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    tmp = temporary_beside(dst)
     shutil.rmtree(tmp, ignore_errors=True)
 
     def link(a: str, b: str) -> None:

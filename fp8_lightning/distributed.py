@@ -42,7 +42,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from .checkpoint import load_checkpoint_file, publish_directory, safe_lightning_dcp_loads
+from .checkpoint import (load_checkpoint_file, publish_directory, safe_lightning_dcp_loads,
+                         temporary_beside)
 from .fp8.plugin import fp8_plugin
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # then rank 0 swaps it in (renameat2 RENAME_EXCHANGE where the filesystem has it): a kill
         # at any moment leaves the previous checkpoint or the new one, never a mix.
         path = Path(self.broadcast(str(filepath)))
-        tmp = path.with_name(f".{path.name}.tmp-{self.broadcast(os.getpid())}")
+        tmp = temporary_beside(path, pid=self.broadcast(os.getpid()))  # rank 0's: one directory
         if self.is_global_zero and tmp.exists():
             shutil.rmtree(tmp)
         self.barrier("fp8l_ckpt_tmp")

@@ -411,7 +411,7 @@ def save_hf(config: GPTConfig, state: dict[str, torch.Tensor], directory: str | 
     an existing non-empty directory is never overwritten."""
     from safetensors.torch import save_file
 
-    from .checkpoint import publish_directory
+    from .checkpoint import publish_directory, temporary_beside
 
     path = Path(directory).expanduser()
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -420,7 +420,7 @@ def save_hf(config: GPTConfig, state: dict[str, torch.Tensor], directory: str | 
     hf_config = hf_config_from(config)
     tensors = state_dict_to_hf(config, state)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_beside(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -52,6 +52,18 @@ def cli_error(capsys, *argv):
     return err[err.index(error_lines[0]):]
 
 
+def one_error_line(capsys, argv):
+    """:func:`run_main` of ``argv``, which must exit with status 2, print exactly one line on
+    stderr besides log lines, that line an ``error:`` one, and no traceback; returns the line."""
+    code, _, err = run_main(capsys, argv)
+    lines = [line for line in err.splitlines() if line.strip() and "INFO" not in line
+             and "WARNING" not in line]
+    assert code == 2, (argv, err)
+    assert len(lines) == 1 and lines[0].startswith("error:"), (argv, err)
+    assert "Traceback" not in err
+    return lines[0]
+
+
 def fit_error(capsys, *args):
     """:func:`cli_error` of a 12-step quickstart fit (no logger, no progress bar, micro-batch 4)
     with ``args``; the current directory must be the repository root."""

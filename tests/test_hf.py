@@ -16,7 +16,7 @@ from fp8_lightning.hf import load_hf, load_into
 from fp8_lightning.model import GPT
 from fp8_lightning.module import GPTLightningModule
 from tests._hf import TINY, hf_dirs, transformers  # noqa: F401 - the fixture; skips without transformers
-from tests._runs import run_main
+from tests._runs import one_error_line, run_main
 
 
 @pytest.mark.parametrize("arch", TINY)
@@ -76,13 +76,8 @@ def test_init_from_of_another_shape_than_the_config_is_one_error_line(hf_dirs, t
          "model.config.block_size=128 but"),  # the quickstart config is another shape
     ]
     for argv, expected in cases:
-        code, out, err = run_main(capsys, argv)
-        lines = [line for line in err.splitlines() if line.strip() and "INFO" not in line
-                 and "WARNING" not in line]
-        assert code == 2, (argv, err)
-        assert len(lines) == 1 and lines[0].startswith("error:"), (argv, err)
-        assert expected in lines[0], (expected, lines[0])
-        assert "Traceback" not in err
+        line = one_error_line(capsys, argv)
+        assert expected in line, (expected, line)
 
 
 def test_init_from_with_another_tokenizer_than_the_data_is_one_error_line(hf_dirs, tmp_path,

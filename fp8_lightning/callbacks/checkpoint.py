@@ -12,7 +12,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from ..checkpoint import AtomicCheckpointIO, link_copy_directory, remove_stale_temporaries
+from ..checkpoint import (AtomicCheckpointIO, link_copy_directory, remove_stale_temporaries,
+                          temporary_beside)
 
 
 class Checkpoint(ModelCheckpoint):
@@ -120,7 +121,7 @@ class Checkpoint(ModelCheckpoint):
         if last.is_dir() and not target.exists():  # a sharded checkpoint: a directory of links
             link_copy_directory(last, target)
         elif not target.exists():
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            tmp = temporary_beside(target)
             try:
                 os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
             except OSError:
