@@ -19,7 +19,7 @@ from ..config import ConfigError
 from ..model import GPT
 
 
-def load_checkpoint(ckpt: str) -> dict[str, Any]:
+def read_model_checkpoint(ckpt: str) -> dict[str, Any]:
     """The checkpoint, validated like every load (``checkpoint.load_checkpoint_file``), that
     also carries a model config; a sharded (FSDP) checkpoint directory is gathered in memory."""
     path = Path(ckpt).expanduser()
@@ -42,7 +42,7 @@ def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
         problems.append(f"backend={backend!r}; valid: auto, te, torch")
     if problems:
         raise ConfigError(problems, "generate")
-    checkpoint = load_checkpoint(ckpt)
+    checkpoint = read_model_checkpoint(ckpt)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
