@@ -131,6 +131,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.float8_all_gather = float8_all_gather
         self._float8_weights: list[torch.Tensor] = []  # sharded, gathered as float8
+        self._float8_scales_current = False  # precomputed since the weights last changed
 
     @override
     def setup_environment(self) -> None:
@@ -173,11 +174,14 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._float8_weights:  # the scales of the weights as they are now (also after a
-            # resume or a NaN-guard rollback), in one all-reduce, for this step's all-gathers
+        if self._float8_weights and not self._float8_scales_current:
+            # The scales of the weights as they are now (also after a resume or a NaN-guard
+            # rollback: both come before a step), in one all-reduce, for this optimizer step's
+            # all-gathers; the micro-batches of an accumulated step reuse them.
             from .fp8.torchao_engine import precompute_float8_scales
 
             precompute_float8_scales(self._float8_weights)
+            self._float8_scales_current = True
         return super().training_step(*args, **kwargs)
 
     @override
@@ -187,6 +191,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             from .fp8.torchao_engine import forget_float8_scales
 
             forget_float8_scales(self._float8_weights)
+            self._float8_scales_current = False
         return out
 
     @override

@@ -203,6 +203,18 @@ class FP8PrecisionBase(FabricPrecision):
         if too_many:
             raise ConfigError(too_many + [f"valid: 0 to {n_layer}"], "FP8Precision")
 
+    def _fp8_can_run(self, gpt: nn.Module) -> tuple[bool, str]:
+        """Can the engine run FP8 on ``gpt`` here: (yes/no, the device, or why not)."""
+        ok, reason = self.engine.available(self.recipe_config["recipe"])
+        if self.auto_bf16:
+            return False, self.auto_bf16
+        if ok and not self.engine.gemm_modules(gpt):
+            backend = self.engine.backend
+            return False, (f"the model has no layers engine {self.engine.name!r} converts (they "
+                           f"are those of model.backend: {backend}); use model.backend: "
+                           f"{backend}" + " or auto" * (backend == "te"))
+        return ok, reason
+
     def _plan_bf16(self, gpt: nn.Module) -> dict[str, str]:
         """The GEMMs kept BF16: the layer policy, then ``fp8_layers: auto``'s answer (once per
         model: a plan made before FSDP2 sharded it is the one :meth:`convert_module` uses)."""
@@ -222,11 +234,7 @@ class FP8PrecisionBase(FabricPrecision):
         ``(module, weight name)``, or none with the reason logged (then weights gather in BF16,
         as without the option)."""
         self._check_layers(gpt)
-        ok, reason = self.engine.available(self.recipe_config["recipe"])
-        if self.auto_bf16:
-            ok, reason = False, self.auto_bf16
-        elif ok and not self.engine.gemm_modules(gpt):
-            ok, reason = False, f"the model has no layers engine {self.engine.name!r} converts"
+        ok, reason = self._fp8_can_run(gpt)
         pairs: list[tuple[nn.Module, str]] = []
         if ok:
             bf16 = self._plan_bf16(gpt)
@@ -247,15 +255,7 @@ class FP8PrecisionBase(FabricPrecision):
         self._amax_group = _data_parallel_group()
         if self.auto:  # not set up through GPTLightningModule: no probe, the recipe's engine
             self.auto, self.auto_figures = False, "not measured (no GPTLightningModule set-up)"
-        ok, reason = self.engine.available(self.recipe_config["recipe"])
-        if self.auto_bf16:
-            ok, reason = False, self.auto_bf16
-        if ok and not self.engine.gemm_modules(gpt):
-            backend = self.engine.backend
-            ok, reason = False, (f"the model has no layers engine {self.engine.name!r} converts "
-                                 f"(they are those of model.backend: {backend}); use "
-                                 f"model.backend: {backend}"
-                                 + " or auto" * (backend == "te"))
+        ok, reason = self._fp8_can_run(gpt)
         self.fp8_available = ok
         if not ok:
             if self.on_unavailable == "error" and not self.auto_bf16:

@@ -285,3 +285,54 @@ def test_fsdp2_float8_all_gather_hands_the_gemm_float8_and_checkpoints_plain_ten
     assert torch.equal(plain.blocks[1].mlp.fc2_weight, full_tensor(weights[-1]).detach())
     models[0].load_state_dict(models[1].state_dict())  # into the wrapped shards, in place
     assert torch.equal(full_tensor(weights[0]), full_tensor(models[1].blocks[0].qkv.weight))
+
+
+def test_fsdp2_strategy_gathers_float8_and_precomputes_the_scales_once_per_optimizer_step(
+        tmp_path, monkeypatch):
+    """``FSDP2Strategy(float8_all_gather=True)`` through the Trainer, FSDP2 over one CPU rank
+    (gloo). torchao's float8 GEMMs run on a CPU; only the engine's hardware check is told yes.
+    With two micro-batches per step the scales are computed once per optimizer step, and the
+    sharded checkpoint holds plain tensors."""
+    import lightning as L
+    import torch.distributed as dist
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from fp8_lightning.checkpoint import consolidate_checkpoint
+    from fp8_lightning.distributed import FSDP2Strategy
+    from fp8_lightning.fp8 import torchao_engine
+
+    monkeypatch.setattr(torchao_engine.TorchaoEngine, "available",
+                        lambda self, recipe: (True, "CPU (hardware check skipped)"))
+    calls = []
+    real = torchao_engine.precompute_float8_scales
+    monkeypatch.setattr(torchao_engine, "precompute_float8_scales",
+                        lambda weights: calls.append(len(weights)) or real(weights))
+    seen = set()
+
+    class Gathered(L.Callback):
+        def on_train_start(self, trainer, module):
+            module.model.blocks[0].mlp.register_forward_pre_hook(
+                lambda m, args: seen.add(type(m.fc1_weight)))
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(config=CONFIG, backend="torch", compile=False, warmup_steps=1,
+                                lr_decay_steps=10)
+    plugin = FP8Precision(recipe="tensorwise")
+    trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                        strategy=FSDP2Strategy(float8_all_gather=True,
+                                               process_group_backend="gloo"),
+                        plugins=[plugin], use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[Gathered()],
+                        default_root_dir=tmp_path)
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randint(0, 512, (12, 33)),
+                                                        batch_size=2))
+        assert plugin.fp8_active and seen == {Float8TrainingTensor}
+        assert calls == [2 * 4] * 3  # 3 optimizer steps of 2 micro-batches: 8 weights each
+        trainer.save_checkpoint(tmp_path / "last.ckpt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    state = consolidate_checkpoint(tmp_path / "last.ckpt")["state_dict"]
+    assert all(type(v) is torch.Tensor for v in state.values())
