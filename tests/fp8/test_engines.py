@@ -4,6 +4,8 @@ torchao's float8 GEMMs run on a CPU (``torch._scaled_mm`` has a CPU kernel), so 
 engine's conversion, switch and checkpoints are tested here for real; its speed and the TE engine
 are tested on the GPU (``-m gpu``)."""
 
+import os
+
 import pytest
 import torch
 
@@ -325,6 +327,7 @@ def test_fsdp2_strategy_gathers_float8_and_precomputes_the_scales_once_per_optim
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[Gathered()],
                         default_root_dir=tmp_path)
+    environ = dict(os.environ)  # Lightning sets MASTER_PORT and the rank variables here
     try:
         trainer.fit(module, torch.utils.data.DataLoader(torch.randint(0, 512, (12, 33)),
                                                         batch_size=2))
@@ -334,5 +337,9 @@ def test_fsdp2_strategy_gathers_float8_and_precomputes_the_scales_once_per_optim
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # ...which later tests' subprocesses in this worker would inherit (their rank 0 then
+        # listens on this run's port: EADDRINUSE)
+        os.environ.clear()
+        os.environ.update(environ)
     state = consolidate_checkpoint(tmp_path / "last.ckpt")["state_dict"]
     assert all(type(v) is torch.Tensor for v in state.values())
