@@ -106,9 +106,11 @@ def parse_variant(name: str) -> Variant:
                 problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
         if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
             problems.append(f"variant {name!r}: -fp8-attn needs fp8-delayed or fp8-current")
-        for flag in ("-eager", "-nograph"):
-            if flag in flags and backend != "te":
-                problems.append(f"variant {name!r}: {flag} needs a TE variant (te-bf16, fp8-*)")
+        if "-eager" in flags and backend != "te":
+            problems.append(f"variant {name!r}: -eager needs a TE variant (te-bf16, fp8-*)")
+        if "-nograph" in flags and backend != "te" and recipe is None:
+            problems.append(f"variant {name!r}: -nograph needs a TE or an FP8 variant "
+                            "(te-bf16, fp8-*)")
         for pair in (("-fp32res", "-bf16res"), ("-ac-full", "-ac-mlp")):
             if set(pair) <= flags:
                 problems.append(f"variant {name!r}: {pair[0]} or {pair[1]}, not both")
@@ -116,7 +118,8 @@ def parse_variant(name: str) -> Variant:
         raise ConfigError(problems, "bench --variants")
     return Variant(name, backend, recipe, compiled and "-eager" not in flags,
                    "te" if flags & {"-te-attn", "-fp8-attn"} else "sdpa",
-                   "-bf16ends" in flags, backend == "te" and "-nograph" not in flags,
+                   "-bf16ends" in flags,
+                   (backend == "te" or recipe is not None) and "-nograph" not in flags,
                    "-fp8-attn" in flags, "-fp8-head" in flags,
                    True if "-fp32res" in flags else False if "-bf16res" in flags else None,
                    "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none",
@@ -336,7 +339,7 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
         result["profile_ms"], result["profile_kernels"] = profile_step(step, device)
         result["host_profile"] = host_profile(step)
     module = step.module  # type: ignore[attr-defined]
-    compiled, graphs = module.compiled, bool(getattr(module._graphs, "active", False))
+    compiled, graphs = module.compiled, module.graphed is not None
     result.update(compiled=compiled, cuda_graphs=graphs)
     if plugin is not None:
         result["precision"] = plugin.tag

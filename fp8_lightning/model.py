@@ -268,17 +268,22 @@ class GPT(nn.Module):
         return idx
 
 
-def compile_model(model: GPT) -> str:
+def compile_model(model: GPT, cuda_graphs: bool = False) -> str:
     """Compile ``model`` in place for training; returns what was compiled (for the log line).
 
     Parameter names, ``model.blocks`` and the state dict are unchanged (``torch.compile(model)``
     would rename every parameter ``_orig_mod.*``). The PyTorch backend compiles the whole forward
-    and loss as one graph (``nn.Module.compile``). On the TE backend TransformerEngine's modules
-    stay outside (DelayedScaling does not run under ``torch.compile``, TE's maintainers do not plan
-    it); every region between them is compiled: per block the head split, QK-norm, RoPE and
-    SDPA (or the part before ``te.DotProductAttention``), and the loss.
+    and loss as one graph (``nn.Module.compile``); with ``cuda_graphs`` Inductor replays it as
+    CUDA graphs (``mode="reduce-overhead"``: its CUDA graph trees, forward and backward). On the
+    TE backend TransformerEngine's modules stay outside (DelayedScaling does not run under
+    ``torch.compile``, TE's maintainers do not plan it); every region between them is compiled:
+    per block the head split, QK-norm, RoPE and SDPA (or the part before
+    ``te.DotProductAttention``), and the loss.
     """
     if model.backend == "torch":
+        if cuda_graphs:
+            model.compile(mode="reduce-overhead")
+            return "the whole model and its loss, one graph, replayed as CUDA graphs"
         model.compile()
         return "the whole model and its loss, one graph"
     for block in model.blocks:

@@ -5,7 +5,7 @@ falls back and re-enables, and bench runs its variants."""
 import pytest
 import torch
 
-from fp8_lightning.measure import measure, parse_variant
+from fp8_lightning.measure import build_step, measure, parse_variant
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT, compile_model
@@ -59,7 +59,49 @@ def test_bench_runs_the_torchao_variants():
                          module_class=GPTLightningModule,
                          fp8_args=dict(recipe=name[4:], on_unavailable="error"))
         assert result["status"] == "ran" and result["backend"] == "torch", result
-        assert result["precision"].startswith(f"FP8 {name[4:]} compiled")
+        assert result["precision"] == f"FP8 {name[4:]} compiled graphs"  # as fit runs them
+
+
+def test_torchao_cuda_graphs_train_as_the_compiled_step_does_through_a_fallback(tmp_path, tokens):
+    """On one GPU the torchao engine's compiled step replays as CUDA graphs (Inductor's CUDA
+    graph trees): the same curve as without them, through a BF16 fallback and back (each state
+    its own graphs)."""
+    import lightning as L
+
+    from tests.test_gpu import fit
+
+    class FallBack(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 10:
+                trainer.precision_plugin.disable_fp8("test", step=10)
+            if trainer.global_step == 20:
+                trainer.precision_plugin.enable_fp8(step=20)
+
+    _, plain = fit(tmp_path / "plain", tokens, 30, FP8Precision(recipe="tensorwise"),
+                   cuda_graphs=False, callbacks=[FallBack()])
+    trainer, graphed = fit(tmp_path / "graphs", tokens, 30, FP8Precision(recipe="tensorwise"),
+                           callbacks=[FallBack()])
+    module = trainer.lightning_module
+    assert trainer.precision_plugin.fp8_active and module.graphed == "FP8", module.compiled
+    assert "CUDA graphs" in module.compiled
+    worst = max(abs(graphed[s] - plain[s]) / plain[s] for s in plain)
+    print(f"\n[torchao graphs] loss at 30: {graphed[30]:.4f} vs {plain[30]:.4f} without; "
+          f"worst relative gap {worst:.4f}")
+    assert graphed[30] < graphed[1] - 1 and worst < 0.02
+
+
+def test_a_replays_loss_survives_the_next_replay():
+    """A replay's outputs live in the graphs' memory, which the next replay overwrites: the
+    training step returns a copy, so a loss kept across steps (a callback's, a notebook's)
+    keeps its value."""
+    step, _ = build_step(parse_variant("fp8-tensorwise"), GPTConfig.from_name("gpt2", **GPU_SMALL),
+                         GPU_B, GPU_T, device=torch.device("cuda"), module_class=GPTLightningModule,
+                         fp8_args=dict(recipe="tensorwise", on_unavailable="error"))
+    losses = [step() for _ in range(4)]  # compile, record, replay, replay
+    values = [loss.item() for loss in losses]
+    step()
+    assert step.module.graphed == "FP8"
+    assert [loss.item() for loss in losses] == values and len(set(values)) == 4
 
 
 def test_bench_runs_torchaos_size_filter_one_gemm_of_a_fused_module_in_float8():

@@ -18,6 +18,11 @@ def test_variant_names():
         ("te", "current", "te", True, True, True)
     v = parse_variant("fp8-delayed-nograph-eager")
     assert (v.recipe, v.compile, v.graphs) == ("delayed", False, False)
+    # torchao variants replay the compiled model as CUDA graphs, as fit does; the baseline never
+    v = parse_variant("fp8-tensorwise")
+    assert (v.backend, v.compile, v.graphs) == ("torch", True, True)
+    assert not parse_variant("fp8-tensorwise-nograph").graphs
+    assert not parse_variant("torch-compile").graphs
     assert parse_variant("torch-compile").compile and not parse_variant("torch-eager").compile
     v = parse_variant("fp8-delayed-fp8-attn-fp8-head")  # FP8 attention implies TE attention
     assert (v.attention, v.fp8_attention, v.fp8_head) == ("te", True, True)
@@ -32,7 +37,7 @@ def test_variant_names():
                          ("torch-compile-ac-mlp-ac-full", "-ac-full or -ac-mlp, not both"),
                          ("torch-eager-te-attn", "-te-attn needs a TE variant"),
                          ("te-bf16-bf16ends", "-bf16ends needs an FP8 variant"),
-                         ("torch-compile-nograph", "-nograph needs a TE variant"),
+                         ("torch-compile-nograph", "-nograph needs a TE or an FP8 variant"),
                          ("te-bf16-fp8-head", "-fp8-head needs an FP8 variant"),
                          ("torch-compile-autolayers", "-autolayers needs an FP8 variant"),
                          ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current")):

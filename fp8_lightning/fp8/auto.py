@@ -41,9 +41,20 @@ def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
     return parse_variant(ran[0][1]).recipe, figures
 
 
+POLICY = ("fp8_lm_head", "bf16_first_layers", "bf16_last_layers", "fp8_layers")
+
+
 def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_class: type, *,
-          steps: int = 5, warmup: int = 3) -> dict[str, Optional[float]]:
-    """ms per training step of each candidate on this GPU (``None``: it could not run here)."""
+          policy: Optional[dict[str, Any]] = None, steps: int = 5, warmup: int = 10
+          ) -> dict[str, Optional[float]]:
+    """ms per training step of each candidate on this GPU (``None``: it could not run here),
+    each FP8 candidate with the run's layer ``policy`` (:data:`POLICY`: the plugin's fields), so
+    that the figure is of what would train.
+
+    ``warmup``: torchao's compiled step runs ~6% slow for a few steps after its compilation
+    (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10,
+    43.41 as bench times it, 15 after 5; docs/benchmarks.md, session 16), which made the probe
+    read torchao slower than bench does; the other candidates settle within 3."""
     from ..measure import measure, parse_variant, skip_reason
 
     device = torch.device("cuda")
@@ -54,8 +65,7 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
             timings[name] = None
             continue
         fp8_args = (None if variant.recipe is None else
-                    dict(recipe=variant.recipe, on_unavailable="error",
-                         fp8_layers="auto" if variant.auto_layers else "all"))
+                    dict(policy or {}, recipe=variant.recipe, on_unavailable="error"))
         result = measure(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
                          device=device, module_class=module_class, fp8_args=fp8_args)
         timings[name] = result["ms_per_step"] if result["status"] == "ran" else None
@@ -83,7 +93,9 @@ def choose_engine(plugin: Any, module_class: type, config: Any, batch_size: int,
     if not torch.cuda.is_available():
         plugin.take_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
     else:
-        plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class)))
+        policy = {key: getattr(plugin, key) for key in POLICY}
+        plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class,
+                                         policy=policy)))
     rank_zero_only(log.info)("engine auto: %s (%s)", "BF16" if plugin.auto_bf16 else
                              f"{plugin.engine.name} {plugin.recipe_config['recipe']}",
                              plugin.auto_figures)

@@ -164,6 +164,29 @@ def test_auto_takes_the_fastest_candidate_fp8_or_bf16():
     assert choose({"fp8-delayed": None})[0] is None
 
 
+def test_the_probe_times_each_fp8_candidate_with_the_runs_layer_policy(monkeypatch):
+    """Stubbed timings (real ones need a GPU: tests/test_gpu_engines.py): what the probe asks
+    measure() for is what would train, the plugin's layer policy included."""
+    import fp8_lightning.measure as measure_lib
+    from fp8_lightning.fp8.auto import BF16, POLICY, probe
+
+    asked = {}
+
+    def measure(variant, config, batch_size, seq_len, *, steps, warmup, fp8_args, **kwargs):
+        asked[variant.name] = fp8_args
+        return {"status": "ran", "ms_per_step": 1.0}
+
+    monkeypatch.setattr(measure_lib, "measure", measure)
+    monkeypatch.setattr(measure_lib, "skip_reason", lambda *args: None)
+    plugin = FP8Precision(engine="auto", bf16_first_layers=1, fp8_layers="auto")
+    policy = {key: getattr(plugin, key) for key in POLICY}
+    timings = probe(CONFIG, 2, 32, "sdpa", GPTLightningModule, policy=policy)
+    assert set(timings) == set(asked) and asked[BF16] is None
+    assert asked["fp8-tensorwise"] == dict(fp8_lm_head=False, bf16_first_layers=1,
+                                           bf16_last_layers=0, fp8_layers="auto",
+                                           recipe="tensorwise", on_unavailable="error")
+
+
 def test_auto_measures_only_where_it_can_and_says_so():
     with pytest.raises(ConfigError, match="recipe='delayed' with engine='auto'"):
         FP8Precision(engine="auto", recipe="delayed")
