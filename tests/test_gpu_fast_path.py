@@ -40,7 +40,7 @@ class Losses(L.Callback):
 
 
 def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, skip_batches=0,
-        accumulate_grad_batches=1, batch_size=B, **module_args):
+        accumulate_grad_batches=1, batch_size=B, recipe="delayed", **module_args):
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=n_layer),
                                 warmup_steps=10, lr_decay_steps=200, **module_args)
@@ -53,7 +53,7 @@ def fit(tmp_path, blocks, steps, callbacks=(), ckpt_path=None, n_layer=12, skip_
                                          pin_memory=True)
     losses = Losses()
     trainer = L.Trainer(
-        max_steps=steps, plugins=[FP8Precision(recipe="delayed")], accelerator="gpu", devices=1,
+        max_steps=steps, plugins=[FP8Precision(recipe=recipe)], accelerator="gpu", devices=1,
         logger=False, enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0,
         accumulate_grad_batches=accumulate_grad_batches, default_root_dir=tmp_path, callbacks=[losses, *callbacks])
@@ -125,19 +125,22 @@ def test_graphs_step_aside_for_bf16_fallback_and_return(tmp_path, blocks):
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()) and losses[30] < losses[1]
 
 
-@pytest.mark.parametrize("batch_size", [8, 16])
-def test_short_fit_within_3_percent_of_bench(tmp_path, blocks, batch_size):
+@pytest.mark.parametrize("recipe, batch_size", [("delayed", 8), ("delayed", 16),
+                                               ("tensorwise", 16)])  # TE, and torchao's graphs
+def test_short_fit_within_3_percent_of_bench(tmp_path, blocks, recipe, batch_size):
     """fit's loop (data loader, NaNGuard, TrainingMonitor, Lightning's hooks) against bench's
     step of the same variant and micro-batch, in one process."""
     # From step 55: NaNGuard's first weight snapshot (step 50: ~1.4 s, it allocates pinned host
     # memory; then one per 500 steps) is a one-off, not the loop's speed.
     timer = StepTimer(55)
     fit(tmp_path, blocks, 115, callbacks=[timer, NaNGuard(), TrainingMonitor(
-        log_every=10, sample_prompt=None, console=False)], batch_size=batch_size)
-    bench = measure(parse_variant("fp8-delayed"), GPTConfig(name="gpt2"), batch_size, T, steps=30,
-                    warmup=5, device=torch.device("cuda"), module_class=GPTLightningModule,
-                    fp8_args=dict(recipe="delayed", weights="bf16-mixed", on_unavailable="error"))
-    print(f"\n[fit vs bench] GPT-2 124M FP8 delayed {batch_size}x{T} on {torch.cuda.get_device_name()}: "
+        log_every=10, sample_prompt=None, console=False)], batch_size=batch_size, recipe=recipe)
+    bench = measure(parse_variant(f"fp8-{recipe}"), GPTConfig(name="gpt2"), batch_size, T,
+                    steps=30, warmup=5, device=torch.device("cuda"),
+                    module_class=GPTLightningModule,
+                    fp8_args=dict(recipe=recipe, weights="bf16-mixed", on_unavailable="error"))
+    print(f"\n[fit vs bench] GPT-2 124M FP8 {recipe} {batch_size}x{T} on "
+          f"{torch.cuda.get_device_name()}: "
           f"fit {timer.ms:.2f} ms/step, bench {bench['ms_per_step']:.2f} ms/step "
           f"(host {bench['host_ms']}), ratio {bench['ms_per_step'] / timer.ms:.3f}")
     assert bench["ms_per_step"] / timer.ms >= 0.97
