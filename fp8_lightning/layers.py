@@ -60,6 +60,11 @@ class _Gemms:
         return self.float8(x, weight, bias)
 
 
+def runs_float8(model: nn.Module) -> bool:
+    """Does any of ``model``'s PyTorch GEMM layers run an FP8 engine's float8 GEMM now?"""
+    return any(isinstance(m, _Gemms) and m.float8 is not None for m in model.modules())
+
+
 class TorchNorm(_NoExtraState, nn.Module):
     """``te.LayerNorm`` / ``te.RMSNorm``: parameters ``weight`` (and ``bias`` for LayerNorm)."""
 

@@ -14,8 +14,9 @@ from typing_extensions import override
 
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
-from .distributed import full_tensor
+from .distributed import full_tensor, is_sharded
 from .fp8.plugin import fp8_plugin
+from .layers import runs_float8
 from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
                     uncompile_model)
 from .te_support import te_status
@@ -213,7 +214,6 @@ class GPTLightningModule(L.LightningModule):
         """What besides the model decides this fit's memory per GPU (the micro-batch from the
         data module, sharding, FP8, residual, checkpointing, master dtype, compile,
         accumulation); None when the micro-batch is not known before the first batch."""
-        from .distributed import is_sharded
         from .memory import RunShape
 
         batch_size = getattr(datamodule, "batch_size", None)
@@ -326,8 +326,7 @@ class GPTLightningModule(L.LightningModule):
         no graph replays (not captured, off, or on the TE backend stepped aside for a BF16
         fallback; the PyTorch backend's graphs replay either, each captured once)."""
         if self._cudagraphed:
-            fp8 = any(getattr(m, "float8", None) is not None for m in self.model.modules())
-            return "FP8" if fp8 else "BF16"
+            return "FP8" if runs_float8(self.model) else "BF16"
         graphs = self._graphs
         if graphs is None or not graphs.active:
             return None
@@ -357,8 +356,6 @@ class GPTLightningModule(L.LightningModule):
 
     def _torch_graphs_status(self, wanted: Optional[bool]) -> tuple[bool, str]:
         """Can the PyTorch backend replay its compiled step as CUDA graphs here, and why (not)."""
-        from .distributed import is_sharded
-
         trainer = self._trainer
         if not self.compiled:
             return False, "the PyTorch backend replays CUDA graphs through torch.compile, which is off"
@@ -368,8 +365,7 @@ class GPTLightningModule(L.LightningModule):
             # The backward graph's gradients live in its memory pool, which the next
             # micro-batch's replay overwrites while they are being accumulated into.
             return False, "gradient accumulation would accumulate into the graphs' own memory"
-        float8 = any(getattr(m, "float8", None) is not None for m in self.model.modules())
-        if not float8 and wanted is None:
+        if not runs_float8(self.model) and wanted is None:
             return False, ("BF16 on the PyTorch backend is compiled without them (measured: "
                            "no gain); model.cuda_graphs: true to try")
         return True, "one GPU"
@@ -386,7 +382,7 @@ class GPTLightningModule(L.LightningModule):
             self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
                                           trainer.accumulate_grad_batches if trainer else 1)
         if self.compiled and not self._compile_checked:
-            if (self.backend_name == "torch" and not self._cudagraphed and x.is_cuda
+            if (self.backend_name == "torch" and not self._cudagraphed
                     and self._use_graphs()):  # before the compiled model's first call
                 self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
             try:

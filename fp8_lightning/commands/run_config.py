@@ -11,6 +11,7 @@ import yaml
 
 from ..config import ConfigError, GPTConfig
 from ..fp8 import RECIPES, REMOVED_KEYS, FP8Precision
+from ..fp8.policy import POLICY_FIELDS
 from ..measure import Variant
 
 # --------------------------------------------------------------------------------- run config
@@ -119,8 +120,7 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
     """``FP8Precision`` arguments for an FP8 variant: the config's layer policy, its recipe fields
     when the variant runs the config's recipe, and ``on_unavailable="error"``."""
     cfg = dict(run.fp8 or {})
-    args: dict[str, Any] = {k: cfg[k] for k in ("fp8_lm_head", "bf16_first_layers",
-                                                "bf16_last_layers", "fp8_layers") if k in cfg}
+    args: dict[str, Any] = {k: cfg[k] for k in POLICY_FIELDS if k in cfg}
     if cfg.get("recipe", "delayed") == variant.recipe:
         args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe].defaults})
     if variant.bf16_ends:

@@ -41,20 +41,17 @@ def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
     return parse_variant(ran[0][1]).recipe, figures
 
 
-POLICY = ("fp8_lm_head", "bf16_first_layers", "bf16_last_layers", "fp8_layers")
-
-
 def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_class: type, *,
           policy: Optional[dict[str, Any]] = None, steps: int = 5, warmup: int = 10
           ) -> dict[str, Optional[float]]:
     """ms per training step of each candidate on this GPU (``None``: it could not run here),
-    each FP8 candidate with the run's layer ``policy`` (:data:`POLICY`: the plugin's fields), so
-    that the figure is of what would train.
+    each FP8 candidate with the run's layer ``policy`` (the plugin's
+    :data:`~fp8_lightning.fp8.policy.POLICY_FIELDS`), so that the figure is of what would train.
 
     ``warmup``: torchao's compiled step runs ~6% slow for a few steps after its compilation
-    (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10,
-    43.41 as bench times it, 15 after 5; docs/benchmarks.md, session 16), which made the probe
-    read torchao slower than bench does; the other candidates settle within 3."""
+    (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10;
+    bench's 15 steps after 5: 43.41; docs/benchmarks.md, session 16), which made the probe read
+    torchao slower than bench does; the other candidates settle within 3."""
     from ..measure import measure, parse_variant, skip_reason
 
     device = torch.device("cuda")
@@ -93,7 +90,9 @@ def choose_engine(plugin: Any, module_class: type, config: Any, batch_size: int,
     if not torch.cuda.is_available():
         plugin.take_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
     else:
-        policy = {key: getattr(plugin, key) for key in POLICY}
+        from .policy import POLICY_FIELDS
+
+        policy = {key: getattr(plugin, key) for key in POLICY_FIELDS}
         plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class,
                                          policy=policy)))
     rank_zero_only(log.info)("engine auto: %s (%s)", "BF16" if plugin.auto_bf16 else

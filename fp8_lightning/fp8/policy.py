@@ -14,6 +14,11 @@ from torch import nn
 from ..config import FP8_MULTIPLE
 
 
+# FP8Precision's fields that make up the layer policy: what bench and engine auto's probe carry
+# from a run's plugin into the FP8 variants they time.
+POLICY_FIELDS = ("fp8_lm_head", "bf16_first_layers", "bf16_last_layers", "fp8_layers")
+
+
 def find_gpt(module: nn.Module) -> nn.Module:
     """The GPT inside a LightningModule (``.model``) or the module itself."""
     inner = getattr(module, "model", None)

@@ -168,7 +168,8 @@ def test_the_probe_times_each_fp8_candidate_with_the_runs_layer_policy(monkeypat
     """Stubbed timings (real ones need a GPU: tests/test_gpu_engines.py): what the probe asks
     measure() for is what would train, the plugin's layer policy included."""
     import fp8_lightning.measure as measure_lib
-    from fp8_lightning.fp8.auto import BF16, POLICY, probe
+    from fp8_lightning.fp8.auto import BF16, probe
+    from fp8_lightning.fp8.policy import POLICY_FIELDS
 
     asked = {}
 
@@ -179,7 +180,7 @@ def test_the_probe_times_each_fp8_candidate_with_the_runs_layer_policy(monkeypat
     monkeypatch.setattr(measure_lib, "measure", measure)
     monkeypatch.setattr(measure_lib, "skip_reason", lambda *args: None)
     plugin = FP8Precision(engine="auto", bf16_first_layers=1, fp8_layers="auto")
-    policy = {key: getattr(plugin, key) for key in POLICY}
+    policy = {key: getattr(plugin, key) for key in POLICY_FIELDS}
     timings = probe(CONFIG, 2, 32, "sdpa", GPTLightningModule, policy=policy)
     assert set(timings) == set(asked) and asked[BF16] is None
     assert asked["fp8-tensorwise"] == dict(fp8_lm_head=False, bf16_first_layers=1,
