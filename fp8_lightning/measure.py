@@ -50,7 +50,7 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
 
 
 SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph", "-fp32res",
-            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers")
+            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers", "-alllayers")
 
 
 def method(device: torch.device) -> str:
@@ -84,7 +84,7 @@ class Variant:
     fp8_head: bool = False
     fp32_residual: Optional[bool] = None  # None: the backend's default
     activation_checkpointing: str = "none"
-    auto_layers: bool = False  # fp8_layers: auto
+    fp8_layers: Optional[str] = None  # None: the recipe's default (the plugin's)
 
 
 def parse_variant(name: str) -> Variant:
@@ -101,7 +101,7 @@ def parse_variant(name: str) -> Variant:
         backend, recipe, compiled = BASES[base]
         if "-te-attn" in flags and backend != "te":
             problems.append(f"variant {name!r}: -te-attn needs a TE variant (te-bf16, fp8-*)")
-        for flag in ("-bf16ends", "-fp8-head", "-autolayers"):
+        for flag in ("-bf16ends", "-fp8-head", "-autolayers", "-alllayers"):
             if flag in flags and recipe is None:
                 problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
         if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
@@ -111,7 +111,8 @@ def parse_variant(name: str) -> Variant:
         if "-nograph" in flags and backend != "te" and recipe is None:
             problems.append(f"variant {name!r}: -nograph needs a TE or an FP8 variant "
                             "(te-bf16, fp8-*)")
-        for pair in (("-fp32res", "-bf16res"), ("-ac-full", "-ac-mlp")):
+        for pair in (("-fp32res", "-bf16res"), ("-ac-full", "-ac-mlp"),
+                     ("-autolayers", "-alllayers")):
             if set(pair) <= flags:
                 problems.append(f"variant {name!r}: {pair[0]} or {pair[1]}, not both")
     if problems:
@@ -123,7 +124,7 @@ def parse_variant(name: str) -> Variant:
                    "-fp8-attn" in flags, "-fp8-head" in flags,
                    True if "-fp32res" in flags else False if "-bf16res" in flags else None,
                    "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none",
-                   "-autolayers" in flags)
+                   "auto" if "-autolayers" in flags else "all" if "-alllayers" in flags else None)
 
 
 def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str]:

@@ -26,13 +26,13 @@ def torch_model(seed=0):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_torchao_recipe_trains_100_steps_close_to_bf16_compiled(recipe, tokens, capsys):
     reference = torch_model()
-    bf16 = FP8Precision(recipe=recipe)
+    bf16 = FP8Precision(recipe=recipe, fp8_layers="all")  # every GEMM of the small model
     bf16.convert_module(reference)
     bf16.disable_fp8("BF16 reference")
     compile_model(reference)
     ref_losses = train(reference, bf16, tokens, 100)
     model = torch_model()
-    plugin = FP8Precision(recipe=recipe)
+    plugin = FP8Precision(recipe=recipe, fp8_layers="all")
     plugin.convert_module(model)
     assert plugin.fp8_active and plugin.engine.name == "torchao", plugin.reason
     compile_model(model)
@@ -57,7 +57,8 @@ def test_bench_runs_the_torchao_variants():
         result = measure(parse_variant(name), GPTConfig.from_name("gpt2", **GPU_SMALL), GPU_B,
                          GPU_T, steps=3, warmup=2, device=torch.device("cuda"),
                          module_class=GPTLightningModule,
-                         fp8_args=dict(recipe=name[4:], on_unavailable="error"))
+                         fp8_args=dict(recipe=name[4:], fp8_layers="all",
+                                       on_unavailable="error"))
         assert result["status"] == "ran" and result["backend"] == "torch", result
         assert result["precision"] == f"FP8 {name[4:]} compiled graphs"  # as fit runs them
 
@@ -77,10 +78,12 @@ def test_torchao_cuda_graphs_train_as_the_compiled_step_does_through_a_fallback(
             if trainer.global_step == 20:
                 trainer.precision_plugin.enable_fp8(step=20)
 
-    _, plain = fit(tmp_path / "plain", tokens, 30, FP8Precision(recipe="tensorwise"),
-                   cuda_graphs=False, callbacks=[FallBack()])
-    trainer, graphed = fit(tmp_path / "graphs", tokens, 30, FP8Precision(recipe="tensorwise"),
-                           callbacks=[FallBack()])
+    def plugin():  # every GEMM of the small model in float8 (tensorwise's filter passes none)
+        return FP8Precision(recipe="tensorwise", fp8_layers="all")
+
+    _, plain = fit(tmp_path / "plain", tokens, 30, plugin(), cuda_graphs=False,
+                   callbacks=[FallBack()])
+    trainer, graphed = fit(tmp_path / "graphs", tokens, 30, plugin(), callbacks=[FallBack()])
     module = trainer.lightning_module
     assert trainer.precision_plugin.fp8_active and module.graphed == "FP8", module.compiled
     assert "CUDA graphs" in module.compiled
@@ -96,7 +99,8 @@ def test_a_replays_loss_survives_the_next_replay():
     keeps its value."""
     step, _ = build_step(parse_variant("fp8-tensorwise"), GPTConfig.from_name("gpt2", **GPU_SMALL),
                          GPU_B, GPU_T, device=torch.device("cuda"), module_class=GPTLightningModule,
-                         fp8_args=dict(recipe="tensorwise", on_unavailable="error"))
+                         fp8_args=dict(recipe="tensorwise", fp8_layers="all",
+                                       on_unavailable="error"))
     losses = [step() for _ in range(4)]  # compile, record, replay, replay
     values = [loss.item() for loss in losses]
     step()
@@ -163,14 +167,15 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
     delayed."""
     from tests.test_gpu import adam_steps, fit, lrs
 
-    trainer, straight = fit(tmp_path / "a", tokens, 40, FP8Precision(recipe="tensorwise"),
-                            save_at=20)
+    def plugin():  # every GEMM of the small model in float8 (tensorwise's filter passes none)
+        return FP8Precision(recipe="tensorwise", fp8_layers="all")
+
+    trainer, straight = fit(tmp_path / "a", tokens, 40, plugin(), save_at=20)
     assert trainer.precision_plugin.engine.name == "torchao"
     at20 = tmp_path / "a" / "at20.ckpt"
     ckpt = torch.load(at20, weights_only=True)  # no pickle anywhere
     assert not (ckpt.get("FP8Precision") or {}).get("scaling")  # scales come from each tensor
-    resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, FP8Precision(recipe="tensorwise"),
-                                   ckpt_path=at20)
+    resumed_trainer, resumed = fit(tmp_path / "c", tokens, 40, plugin(), ckpt_path=at20)
     assert resumed_trainer.precision_plugin.fp8_active
     # The schedule and the optimizer's moments came back too: the same learning rate at every
     # step, and Adam counted 40 steps, not 20 (a fresh optimizer would count from the resume).
@@ -213,7 +218,8 @@ def test_torchao_fsdp2_float8_all_gather_trains_resumes_and_consolidates_into_te
                 lambda m, args: self.types.add(type(m.fc1_weight)))
 
     def run(path, steps, float8_all_gather, **kwargs):
-        return fit(tmp_path / path, tokens, steps, FP8Precision(recipe="tensorwise"),
+        return fit(tmp_path / path, tokens, steps,
+                   FP8Precision(recipe="tensorwise", fp8_layers="all"),
                    strategy=FSDP2Strategy(float8_all_gather=float8_all_gather), compile=False,
                    **kwargs)
 

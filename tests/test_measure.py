@@ -30,8 +30,9 @@ def test_variant_names():
     assert parse_variant("fp8-delayed-te-attn").fp32_residual is None  # the backend's default
     assert parse_variant("fp8-delayed-te-attn-fp32res").fp32_residual is True
     assert parse_variant("fp8-tensorwise-bf16res").fp32_residual is False
-    assert parse_variant("fp8-tensorwise-autolayers").auto_layers  # fp8_layers: auto
-    assert not parse_variant("fp8-tensorwise").auto_layers
+    assert parse_variant("fp8-tensorwise-autolayers").fp8_layers == "auto"
+    assert parse_variant("fp8-tensorwise-alllayers").fp8_layers == "all"
+    assert parse_variant("fp8-tensorwise").fp8_layers is None  # the config's, else the recipe's
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
                          ("te-bf16-fp32res-bf16res", "-fp32res or -bf16res, not both"),
                          ("torch-compile-ac-mlp-ac-full", "-ac-full or -ac-mlp, not both"),
@@ -40,6 +41,7 @@ def test_variant_names():
                          ("torch-compile-nograph", "-nograph needs a TE or an FP8 variant"),
                          ("te-bf16-fp8-head", "-fp8-head needs an FP8 variant"),
                          ("torch-compile-autolayers", "-autolayers needs an FP8 variant"),
+                         ("fp8-rowwise-autolayers-alllayers", "-autolayers or -alllayers, not"),
                          ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)

@@ -11,7 +11,7 @@ FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are again
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
 Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograph][-fp32res|-bf16res]
-[-ac-full|-ac-mlp][-autolayers]``:
+[-ac-full|-ac-mlp][-autolayers|-alllayers]``:
 
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
   ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
@@ -31,8 +31,10 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
   unset, each backend's default: float32 on the PyTorch backend, BF16 on TE).
 * ``-ac-full`` / ``-ac-mlp``: activation checkpointing of every block / of every MLP
   (``model.activation_checkpointing``): the memory it saves and the time it costs.
-* ``-autolayers``: ``fp8_layers: auto``, the GEMMs too small to gain stay BF16 (TE: timed on
-  this GPU at the bench's micro-batch; torchao: its own size filter) (FP8 variants only).
+* ``-autolayers`` / ``-alllayers``: ``fp8_layers: auto``, the GEMMs too small to gain stay BF16
+  (TE: timed on this GPU at the bench's micro-batch; torchao: its own size filter) / ``all``;
+  without either, the config's, else the recipe's default (``auto`` for ``tensorwise``) (FP8
+  variants only).
 
 All variants keep fp32 master weights (``bf16-mixed``), whatever the config's ``weights``.
 """

@@ -129,6 +129,6 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
         args.update(fp8_dpa=True)
     if variant.fp8_head:
         args.update(fp8_lm_head=True)
-    if variant.auto_layers:
-        args.update(fp8_layers="auto")
+    if variant.fp8_layers:
+        args.update(fp8_layers=variant.fp8_layers)
     return dict(args, recipe=variant.recipe, weights="bf16-mixed", on_unavailable="error")

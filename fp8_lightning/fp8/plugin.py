@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..te_support import fallback_precision
 from .engine import Engine
 from .engines import get_engine
-from .policy import bf16_module_names, find_gpt
+from .policy import bf16_module_names, find_gpt, runs_bf16
 from .recipes import ENGINES, RECIPES, build_recipe_config, recipe_names
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class FP8PrecisionBase(FabricPrecision):
             in BF16 and in FP8 at the run's micro-batch on this GPU (a few seconds at start-up)
             and a layer whose GEMMs are not faster in FP8 stays BF16. torchao engine: torchao's
             own size filter for the recipe (torchtitan's ``auto_filter_small_kn``), per GEMM.
+            Default: the recipe's measured faster one (``auto`` for ``tensorwise``, else ``all``).
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
     """
 
@@ -100,12 +101,13 @@ class FP8PrecisionBase(FabricPrecision):
                  reduce_amax: Optional[bool] = None, fp8_dpa: Optional[bool] = None,
                  weights: Literal["bf16-mixed", "bf16-true"] = "bf16-mixed",
                  fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
-                 bf16_last_layers: int = 0, fp8_layers: Literal["all", "auto"] = "all",
+                 bf16_last_layers: int = 0,
+                 fp8_layers: Optional[Literal["all", "auto"]] = None,
                  on_unavailable: Literal["fallback", "error"] = "fallback") -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
-        if fp8_layers not in ("all", "auto"):
+        if fp8_layers not in (None, "all", "auto"):
             problems.append(f"fp8_layers={fp8_layers!r}; valid: all, auto")
         if on_unavailable not in ("fallback", "error"):
             problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
@@ -136,7 +138,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
         self.on_unavailable = on_unavailable
-        self.fp8_layers = fp8_layers
+        self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
         self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
         self.fp8_available = False
         self.fp8_active = False
@@ -224,9 +226,14 @@ class FP8PrecisionBase(FabricPrecision):
         bf16 = bf16_module_names(gpt, self.engine.gemm_modules(gpt), fp8_lm_head=self.fp8_lm_head,
                                  bf16_first_layers=self.bf16_first_layers,
                                  bf16_last_layers=self.bf16_last_layers)
-        if self.fp8_layers == "auto":
+        if self.layers == "auto":
             bf16.update(self._auto_layers(gpt))
         return bf16
+
+    @property
+    def layers(self) -> str:
+        """``fp8_layers`` as this run applies it: the user's, else the recipe's default."""
+        return self.fp8_layers or RECIPES[self.recipe_config["recipe"]].fp8_layers
 
     def float8_all_gather(self, gpt: nn.Module) -> list[tuple[nn.Module, str]]:
         """Before FSDP2 shards ``gpt`` (``FSDP2Strategy(float8_all_gather=True)``): the engine
@@ -318,7 +325,12 @@ class FP8PrecisionBase(FabricPrecision):
         self._verify_pending = False
         ran = self.engine.modules_ran(self.model)
         if not ran:
-            self.disable_fp8(f"no {self.engine.name} GEMM module ran FP8 in the first step")
+            gemms = self.engine.gemm_modules(self.model) if self.model is not None else {}
+            policy = (f" (the layer policy keeps every GEMM BF16, fp8_layers={self.layers}; "
+                      "fp8_layers: all runs them in FP8)"
+                      if gemms and all(runs_bf16(n, self.bf16_modules) for n in gemms) else "")
+            self.disable_fp8(f"no {self.engine.name} GEMM module ran FP8 in the first step"
+                             + policy)
         else:
             log.info("FP8 verified: %d %s modules ran FP8 in the first step", len(ran),
                      self.engine.name)

@@ -88,11 +88,11 @@ def size_filter(recipe: str) -> Optional[Callable[[tuple[int, int]], bool]]:
     calls); our fused layers hold two GEMMs each, so it is asked about a meta-device
     ``nn.Linear`` of each weight's shape rather than copying its thresholds here.
     """
-    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+    try:  # private and experimental in torchao 0.18: a torchao without it keeps every GEMM
+        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
-    try:
         pays = _auto_filter_for_recipe(recipe, filter_fqns=[])
-    except NotImplementedError:
+    except (ImportError, NotImplementedError):
         return None
     return lambda shape: pays(nn.Linear(shape[1], shape[0], bias=False, device="meta"), "")
 

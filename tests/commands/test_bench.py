@@ -83,8 +83,9 @@ def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     fp8_attn = fp8_plugin_args(run, parse_variant("fp8-current-fp8-attn-fp8-head"))
     assert fp8_attn["fp8_dpa"] is True and fp8_attn["fp8_lm_head"] is True
     assert FP8Precision(**fp8_attn).recipe_config["fp8_dpa"] is True
-    assert "fp8_layers" not in block  # the config's (fp8_layers: all, the plugin's default)
+    assert "fp8_layers" not in block  # unset in the config: the recipe's default
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-autolayers"))["fp8_layers"] == "auto"
+    assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-alllayers"))["fp8_layers"] == "all"
 
 
 def test_bench_errors_name_the_field(tmp_path):

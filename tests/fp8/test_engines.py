@@ -205,6 +205,42 @@ def test_auto_measures_only_where_it_can_and_says_so():
     assert not plugin.fp8_active and "BF16 fastest" in plugin.reason
 
 
+def test_unset_fp8_layers_is_the_recipes_measured_faster_policy():
+    """Unset, ``fp8_layers`` is the recipe's: torchao's size filter for tensorwise (GPT-2 124M
+    0.94x -> 0.99x of compiled BF16 on both GPUs; it passes every GEMM of the 1.3B), every GEMM
+    for the others; a run's own value wins."""
+    assert FP8Precision(recipe="tensorwise").layers == "auto"
+    assert [FP8Precision(recipe=r).layers for r in ("delayed", "current", "rowwise")] == ["all"] * 3
+    assert FP8Precision(recipe="tensorwise", fp8_layers="all").layers == "all"
+    assert FP8Precision(recipe="delayed", fp8_layers="auto").layers == "auto"
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig.from_name("gpt2"))
+    plan = FP8Precision(recipe="tensorwise")._plan_bf16(gpt2)
+    assert plan["blocks.0.proj"].startswith("fp8_layers=auto") and "blocks.0.mlp.fc2_weight" in plan
+    assert "blocks.0.qkv" not in plan and "blocks.0.mlp" not in plan  # qkv, fc1: float8
+    assert FP8Precision(recipe="tensorwise", fp8_layers="all")._plan_bf16(gpt2) == {
+        "lm_head": "fp8_lm_head=false"}
+
+
+def test_a_policy_that_keeps_every_gemm_bf16_says_so_when_fp8_did_not_run():
+    """tensorwise's size filter passes no GEMM of the tiny model: the first step finds no float8
+    GEMM ran and the run goes on in BF16, saying that the layer policy kept them all."""
+    import weakref
+
+    model = GPT(GPTConfig.from_name("tiny"))
+    plugin = FP8Precision(recipe="tensorwise")
+    plugin.bf16_modules = plugin._plan_bf16(model)
+    plugin.engine.convert(model, plugin.recipe_config, plugin.bf16_modules)
+    assert plugin.engine.converted == {}
+    plugin._model_ref = weakref.ref(model)
+    plugin.fp8_available = plugin.fp8_active = plugin._verify_pending = True  # as on a GPU
+    with plugin.train_step_context():
+        pass
+    assert not plugin.fp8_active
+    assert ("no torchao GEMM module ran FP8 in the first step (the layer policy keeps every GEMM "
+            "BF16, fp8_layers=auto; fp8_layers: all runs them in FP8)") == plugin.reason
+
+
 def test_fp8_layers_auto_keeps_bf16_the_layers_slower_in_fp8():
     """The policy's measured filter with stubbed timings (the real ones are te.Linear on a GPU):
     a module whose GEMMs together are not faster in FP8 stays BF16, each shape timed once."""
@@ -343,7 +379,7 @@ def test_fsdp2_strategy_gathers_float8_and_precomputes_the_scales_once_per_optim
     torch.manual_seed(0)
     module = GPTLightningModule(config=CONFIG, backend="torch", compile=False, warmup_steps=1,
                                 lr_decay_steps=10)
-    plugin = FP8Precision(recipe="tensorwise")
+    plugin = FP8Precision(recipe="tensorwise", fp8_layers="all")  # the tiny model in float8
     trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
                         strategy=FSDP2Strategy(float8_all_gather=True,
                                                process_group_backend="gloo"),
