@@ -21,8 +21,9 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``fp8-<recipe>``: TE recipes (``delayed``, ``current``, ``block``, ``mxfp8``) on the TE
   backend, torchao recipes (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``) on the PyTorch
   backend compiled whole and replayed as CUDA graphs (``-nograph``: without), through
-  :class:`~fp8_lightning.fp8.FP8Precision` exactly as training runs it, with the config's layer policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for
-  the config's own recipe, its fields.
+  :class:`~fp8_lightning.fp8.FP8Precision` exactly as training runs it, with the config's layer
+  policy (``fp8_lm_head``, ``bf16_first_layers``, ...) and, for the config's own recipe, its
+  fields.
 * ``-bf16ends``: the layer policy keeps the first and last block BF16 (FP8 variants only).
 * ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
 * ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
