@@ -231,13 +231,24 @@ def _corrupt(what: str, err: BaseException, checkpoint: str | os.PathLike) -> Ch
 def _torch_load(source: Path | io.BytesIO, what: str, checkpoint: str | os.PathLike,
                 map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` of ``source`` (``what``, a part of ``checkpoint``)."""
+    if isinstance(source, Path) and source.is_file():
+        with open(source, "rb") as f:
+            head = f.read(4)
+        # torch.save has written zip archives since torch 1.6; anything else (a text file, a
+        # legacy or foreign pickle) is not read at all (torch's legacy reader raises IndexError
+        # and the like on such bytes, not one error type).
+        if head and head != b"PK\x03\x04":
+            raise CheckpointError(f"checkpoint {what!r} is not a checkpoint written by torch.save "
+                                  f"(not a zip archive: it starts with {head!r}); pass a .ckpt "
+                                  f"file or a sharded checkpoint directory")
     try:
         return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL [\w.]+", str(err))  # "Unsupported global: GLOBAL x.y", ...
         raise _unpickle_refused(what, found.group(0) if found else "a pickled object",
                                 "tensors and plain types") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, IndexError, KeyError,
+            ValueError) as err:  # a zip archive whose pickle or records are cut or damaged
         raise _corrupt(what, err, checkpoint) from None
 
 

@@ -170,6 +170,8 @@ CHECKPOINTS = [
     ("ckpt-truncated", fit("--ckpt_path", "{tmp}/truncated.ckpt"), "truncated.ckpt' is truncated or corrupt"),
     ("ckpt-crafted-pickle", fit("--ckpt_path", "{tmp}/evil.ckpt"), "evil.ckpt'"),
     ("ckpt-a-tensor", fit("--ckpt_path", "{tmp}/tensor.ckpt"), "tensor.ckpt' is not a Lightning checkpoint"),
+    ("ckpt-a-text-file", fit("--ckpt_path", "{tmp}/notes.txt"),
+     "notes.txt' is not a checkpoint written by torch.save (not a zip archive: it starts with b'root'"),
     ("ckpt-other-model", fit(SMALL_VOCAB, "--ckpt_path", "{ckpt}", "--model.config.n_layer", "3"),
      "model.config.n_layer=3 but the checkpoint was trained with n_layer=2"),
     ("ckpt-other-seq-len", fit(SMALL_VOCAB, "--ckpt_path", "{ckpt}", "--data.shuffle", "false"),
@@ -196,6 +198,8 @@ PICKLES = [  # a crafted .metadata in a sharded checkpoint: refused before anyth
                          "{tmp}/crafted_run", "--ckpt_path", "last"], "last.ckpt/.metadata"),
     ("pickle-checkpoints", ["checkpoints", "{tmp}/crafted.ckpt"], "crafted.ckpt/.metadata"),
     ("pickle-single-file", ["generate", "--ckpt", "{tmp}/evil.ckpt"], "evil.ckpt'"),
+    ("generate-a-text-file", ["generate", "--ckpt", "{tmp}/notes.txt"],
+     "notes.txt' is not a checkpoint written by torch.save"),
     ("unknown-config-field", ["generate", "--ckpt", "{tmp}/future.ckpt"], "future_field"),
     ("resume-last-nothing", fit("--ckpt_path", "last"), "--ckpt_path last: no last.ckpt to resume from in"),
     ("resume-best-nothing", fit("--ckpt_path", "best"), "best"),
@@ -281,6 +285,7 @@ def files(tmp_path_factory, run):
     data = ckpt.read_bytes()
     (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
     torch.save(torch.zeros(3), tmp / "tensor.ckpt")
+    (tmp / "notes.txt").write_text("root:x:0:0:root:/root:/bin/bash\n")  # /etc/passwd's kind
     with open(tmp / "evil.ckpt", "wb") as f:
         pickle.dump(Evil(str(tmp / "PWNED")), f)
     for name, keep in (("sharded.ckpt", ("meta.pt", ".metadata")), ("no_metadata.ckpt", ("meta.pt",)),

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from .policy import POLICY_FIELDS
+
 log = logging.getLogger(__name__)
 
 BF16 = "torch-compile"  # the BF16 candidate: the PyTorch backend compiled whole
@@ -90,8 +92,6 @@ def choose_engine(plugin: Any, module_class: type, config: Any, batch_size: int,
     if not torch.cuda.is_available():
         plugin.take_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
     else:
-        from .policy import POLICY_FIELDS
-
         policy = {key: getattr(plugin, key) for key in POLICY_FIELDS}
         plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class,
                                          policy=policy)))
