@@ -32,6 +32,7 @@ PAUSED = "throughput/paused"
 MFU = "throughput/mfu_pct"  # percent of the dense BF16 peak
 MFU_FP8 = "throughput/mfu_fp8_pct"  # percent of the dense FP8 peak, while FP8 runs
 PEAK_MEMORY = "gpu/peak_mem_gib"  # torch.cuda.max_memory_allocated, GiB
+VAL_PEAK_MEMORY = "gpu/val_peak_mem_gib"  # the same during the last validation alone, GiB
 FP8_ACTIVE = "fp8/active"  # 1 while FP8 runs, else 0
 FALLBACK_EVENTS = "fp8/fallback_events"  # FP8 unavailable/disabled events so far
 HP_METRIC = "hp_metric"  # the last val/loss, shown with the hyperparameters

@@ -88,6 +88,13 @@ def test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats(tmp_path, blocks, capsys)
                 logs.FP8_ACTIVE, logs.TRAIN_LOSS, logs.VAL_LOSS):
         assert tag in values, tag
     assert values[logs.FP8_ACTIVE] == [1.0] * 6
+    # Validation's own peak (the reference 8B FP8 run crashed there): measured, and no surge.
+    val_peak, train_peak = values[logs.VAL_PEAK_MEMORY][-1], max(values[logs.PEAK_MEMORY])
+    assert 0 < val_peak <= 1.1 * train_peak, (val_peak, train_peak)
+    out = capsys.readouterr().out
+    shown = re.search(r"val/loss .* \| peak mem ([\d.]+) GiB \(training ([\d.]+) GiB\)", out)
+    assert shown and abs(float(shown[1]) - val_peak) < 0.1, out[-2000:]
+    assert re.search(r"memory: peak [\d.]+ GiB in training, [\d.]+ GiB in validation", out)
     assert f"{logs.SAMPLES}/text_summary" in texts and texts[f"{logs.SAMPLES}/text_summary"][0].strip()
     amax = {t: v for t, v in values.items() if t.startswith(AMAX + "/")}
     scale = {t: v for t, v in values.items() if t.startswith(SCALE + "/")}

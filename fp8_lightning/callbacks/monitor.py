@@ -16,6 +16,10 @@ One line per logged step (rank zero)::
   the peak table); ``mfu_fp8`` (only while FP8 runs) the same against the dense FP8 peak.
   ``mfu n/a`` where the peak is unknown (CPU, unlisted GPU).
 * The last field is the precision that really ran: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``.
+* GPU memory: ``gpu/peak_mem_gib`` is the peak allocated in training so far (validation left
+  out), ``gpu/val_peak_mem_gib`` the peak of the last validation alone (the reference FP8 8B run
+  crashed there from a memory surge); the validation line shows both, and the run ends with
+  ``memory: peak X GiB in training, Y GiB in validation (this GPU)``.
 
 Every logger of the Trainer (TensorBoard, CSV, W&B, MLflow, ...) gets the scalars: the tags
 below (``train/loss_mean`` is the console line's loss), plus ``train/loss``, ``val/loss``,
@@ -43,6 +47,7 @@ from ..flops import mfu as mfu_of
 from ..fp8.plugin import fp8_plugin
 from ..logs import (CONFIG_TEXT, FALLBACK_EVENTS, FALLBACK_KINDS, FP8_ACTIVE, FP8_EVENTS_TEXT,
                     GRAD_NORM, HP_METRIC, LR, MFU, MFU_FP8, PAUSED, PEAK_MEMORY, PRECISION_TEXT,
+                    VAL_PEAK_MEMORY,
                     SAMPLES, SETUP_TEXT, STEP_TIME_MS, TOKENS_PER_SEC, TOKENS_SEEN,
                     TRAIN_LOSS_MEAN, VAL_LOSS, VAL_PPL, console_print, log_metrics, log_text)
 
@@ -154,8 +159,16 @@ class TrainingMonitor(Callback):
         self._val_start: Optional[float] = None
         self._events_seen = 0
         self._pending: Optional[dict[str, Any]] = None  # a prepared line, emitted next step
+        # Peak GPU memory (GiB): training's before the last reset of the CUDA peak (validations
+        # reset it on entry and exit, so that each is measured alone), and validation's.
+        self._train_peak = 0.0
+        self._val_peak: Optional[float] = None
 
     # ------------------------------------------------------------------------- helpers
+    def _peak_memory(self, pl_module: "L.LightningModule") -> float:
+        """The CUDA peak allocated since its last reset, GiB."""
+        return torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+
     def _sync(self, pl_module: "L.LightningModule") -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
@@ -317,7 +330,7 @@ class TrainingMonitor(Callback):
         if mfu_fp8 is not None:
             metrics[MFU_FP8] = 100.0 * mfu_fp8
         if pl_module.device.type == "cuda":
-            metrics[PEAK_MEMORY] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            metrics[PEAK_MEMORY] = max(self._train_peak, self._peak_memory(pl_module))
         log_metrics(trainer, metrics)
         self._log_events(trainer)
         line = format_line(step, loss, lr, norm, step_ms, tokens_per_sec, mfu, mfu_fp8, tag)
@@ -338,6 +351,9 @@ class TrainingMonitor(Callback):
             self._sync(pl_module)
             self._val_start = time.perf_counter()
             self._paused = True
+        if pl_module.device.type == "cuda" and not trainer.sanity_checking:
+            self._train_peak = max(self._train_peak, self._peak_memory(pl_module))
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     @override
     def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
@@ -351,11 +367,17 @@ class TrainingMonitor(Callback):
             return
         val = trainer.callback_metrics.get(VAL_LOSS)
         step = trainer.global_step
+        if pl_module.device.type == "cuda":  # measured before the sample, which is not evaluation
+            self._val_peak = self._peak_memory(pl_module)
+            log_metrics(trainer, {VAL_PEAK_MEMORY: self._val_peak})
         if val is not None:
             log_metrics(trainer, {HP_METRIC: float(val)})
             if self.console:
                 ppl = trainer.callback_metrics.get(VAL_PPL)
                 extra = "" if ppl is None else f" | val/ppl {float(ppl):.2f}"
+                if self._val_peak is not None:
+                    extra += f" | peak mem {self._val_peak:.1f} GiB" + (
+                        f" (training {self._train_peak:.1f} GiB)" if self._train_peak else "")
                 console_print(trainer, f"step {step} | val/loss {float(val):.4f}{extra}")
         # Sharded parameters: every rank must run the model (same seed, same text); else rank 0.
         if self.sample_prompt is not None and (trainer.is_global_zero
@@ -373,6 +395,8 @@ class TrainingMonitor(Callback):
             self._sync(pl_module)
             self._excluded += time.perf_counter() - self._val_start
             self._val_start = None
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)  # training's peak from here
 
     def _tokenizer_name(self, trainer: "L.Trainer") -> str:
         if self.tokenizer:
@@ -410,3 +434,7 @@ class TrainingMonitor(Callback):
         if self._pending is not None:
             self._emit(trainer, pl_module)
         self._log_events(trainer)
+        if pl_module.device.type == "cuda" and self.console:
+            train = max(self._train_peak, self._peak_memory(pl_module))
+            val = "" if self._val_peak is None else f", {self._val_peak:.1f} GiB in validation"
+            console_print(trainer, f"memory: peak {train:.1f} GiB in training{val} (this GPU)")
