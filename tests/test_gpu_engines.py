@@ -66,7 +66,8 @@ def test_bench_runs_the_torchao_variants():
 def test_torchao_cuda_graphs_train_as_the_compiled_step_does_through_a_fallback(tmp_path, tokens):
     """On one GPU the torchao engine's compiled step replays as CUDA graphs (Inductor's CUDA
     graph trees): the same curve as without them, through a BF16 fallback and back (each state
-    its own graphs)."""
+    its own graphs). "The same" is within what two runs without graphs differ by (atomics in
+    the backward kernels: 1.6% at step 30 on an H200, 0.03% on an H100), not a fixed bound."""
     import lightning as L
 
     from tests.test_gpu import fit
@@ -81,16 +82,21 @@ def test_torchao_cuda_graphs_train_as_the_compiled_step_does_through_a_fallback(
     def plugin():  # every GEMM of the small model in float8 (tensorwise's filter passes none)
         return FP8Precision(recipe="tensorwise", fp8_layers="all")
 
+    def gap(a, b):
+        return max(abs(a[s] - b[s]) / b[s] for s in b)
+
     _, plain = fit(tmp_path / "plain", tokens, 30, plugin(), cuda_graphs=False,
+                   callbacks=[FallBack()])
+    _, again = fit(tmp_path / "again", tokens, 30, plugin(), cuda_graphs=False,
                    callbacks=[FallBack()])
     trainer, graphed = fit(tmp_path / "graphs", tokens, 30, plugin(), callbacks=[FallBack()])
     module = trainer.lightning_module
     assert trainer.precision_plugin.fp8_active and module.graphed == "FP8", module.compiled
     assert "CUDA graphs" in module.compiled
-    worst = max(abs(graphed[s] - plain[s]) / plain[s] for s in plain)
+    worst, spread = gap(graphed, plain), gap(again, plain)
     print(f"\n[torchao graphs] loss at 30: {graphed[30]:.4f} vs {plain[30]:.4f} without; "
-          f"worst relative gap {worst:.4f}")
-    assert graphed[30] < graphed[1] - 1 and worst < 0.02
+          f"worst relative gap {worst:.4f}, between two runs without graphs {spread:.4f}")
+    assert graphed[30] < graphed[1] - 1 and worst < 3 * spread + 0.005
 
 
 def test_a_replays_loss_survives_the_next_replay():
