@@ -1,18 +1,40 @@
 #!/usr/bin/env bash
-# docs/benchmarks.md "Several GPUs": FP8 (delayed) training through Lightning's strategies with the
+# docs/benchmarks.md "Several GPUs": FP8 and BF16 training through Lightning's strategies with the
 # shipped overlays configs/ddp.yaml and configs/fsdp.yaml, on the real-text corpus of
 # scripts/py_data.sh, one process per GPU.
 #
 # Usage: scripts/multi_gpu.sh JOB...
-#   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then DDP and FSDP2 on 2 and 4 GPUs
-#                                           (STEPS steps; log lines after the first two are kept)
+#   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then DDP and FSDP2 on each of GPUS,
+#                  for each of PRECISIONS (fp8: configs/gpt2_fp8.yaml, TE delayed; bf16:
+#                  configs/gpt2_bf16.yaml, plain PyTorch), model.compile COMPILE on every run
+#                  (STEPS steps; log lines after the first two are kept)
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the 4 ranks' samples
 #                  (data.emulate_ranks 4, batch 8 x 4 accumulated: at every step exactly the
 #                  samples of the 4-GPU runs), DDP and FSDP2 on 4 GPUs (batch 8 each); val loss
 #                  at step 200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to
 #                  step 200 (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
 #   resume-gpt2    only the FSDP2 part of loss-gpt2
-# Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60).
+#   table-8b       #17's seed table: configs/llama3_8b_{bf16,fp8}.yaml (FSDP2) on DEVICES8B GPUs at
+#                  the same global batch (DEVICES8B x 1 x 8192), STEPS8B steps from one seed on
+#                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
+#                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
+#                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather)
+#   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true:
+#                  peak memory at evaluation against training's (the reference run crashed there)
+#   resume-8b      FP8 delayed: 19 steps uninterrupted; 10 steps with a sharded checkpoint at the
+#                  end, resumed from it to 19; the resumed losses at 11-19 against the whole run's
+#                  (the ~96 GB checkpoint goes to /dev/shm where it has room, else under OUT)
+#   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
+#                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
+#                  extrapolated from those two (time per step linear in the layers)
+#   throughput-8b  FSDP2 tok/s per GPU of the 8B model (BF16 compiled and FP8 delayed,
+#                  VARIANTS8B_TP) on each of GPUS8B (default 2 4), 1 x 8192 per GPU, STEPS8B steps;
+#                  scaling against the fewest GPUs run
+# Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60), PRECISIONS
+# (default "fp8 bf16"), GPUS (default "2 4"), COMPILE (default true); for the
+# 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
+# /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,6 +43,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-multi_gpu_out}
 PYTHON=${PYTHON:-python}
 STEPS=${STEPS:-60}
+PRECISIONS=${PRECISIONS:-fp8 bf16}  # configs/gpt2_fp8.yaml (TE delayed), configs/gpt2_bf16.yaml
+GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
+COMPILE=${COMPILE:-true}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 . scripts/py_data.sh
@@ -63,25 +88,29 @@ fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
     local extra=()
     [ "$strategy" != none ] && extra=(--config "$strategy")
     echo "=== $name: $devices GPU(s) ${strategy}"
-    timeout 420 $PYTHON -m fp8_lightning fit --config configs/gpt2_fp8.yaml "${extra[@]}" \
+    echo "=== devices: $devices" > "$OUT/$name.log"
+    timeout "${FIT_TIMEOUT:-420}" $PYTHON -m fp8_lightning fit --config "${CONFIG:-configs/gpt2_fp8.yaml}" "${extra[@]}" \
         --trainer.devices "$devices" --data.data_dir "$DATA" --data.num_workers 2 \
         --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@" \
-        > "$OUT/$name.log" 2>&1
+        >> "$OUT/$name.log" 2>&1
     echo "=== $name: exit $? after $((SECONDS - start)) s"
     grep -E "Error|error:" "$OUT/$name.log" | head -3
 }
 
-throughput() {  # throughput MODEL BATCH
-    local model=$1 batch=$2
+throughput() {  # throughput MODEL BATCH: FP8 delayed and compiled BF16, 1 GPU then DDP and FSDP2
+    local model=$1 batch=$2 prec cfg
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
-                --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10)
-    fit "tp-$model-1gpu" 1 none "${args[@]}"
-    for n in 2 4; do
-        [ "$n" -le "$NGPU" ] || continue
-        fit "tp-$model-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}"
-        fit "tp-$model-fsdp-${n}gpu" "$n" configs/fsdp.yaml "${args[@]}"
+                --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10
+                --model.compile "$COMPILE")  # the same on every GPU count (off by default on several)
+    for prec in $PRECISIONS; do
+        cfg=configs/gpt2_$prec.yaml
+        CONFIG=$cfg fit "tp-$model-$prec-1gpu" 1 none "${args[@]}"
+        for n in $GPUS; do
+            [ "$n" -le "$NGPU" ] || continue
+            CONFIG=$cfg fit "tp-$model-$prec-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}"
+            CONFIG=$cfg fit "tp-$model-$prec-fsdp-${n}gpu" "$n" configs/fsdp.yaml "${args[@]}"
+        done
     done
-
 }
 
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
@@ -109,17 +138,128 @@ resume() {  # FSDP2 (4 GPUs), sharded checkpoints at 100 and 200; resume step 10
     rm -f "$OUT/consolidated.ckpt"
 }
 
+# ---------------------------------------------------------------------------------- Llama-3-8B
+DEVICES8B=${DEVICES8B:-2}
+STEPS8B=${STEPS8B:-30}
+DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
+
+data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once
+    [ -f "$DATA8K/meta.json" ] && return
+    $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA8K" \
+        --seq_len 8192 --val_fraction 0.005 --num_workers 16 2>&1 | grep -v "^INFO litdata" | tail -3
+}
+
+llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
+    local name=$1 variant=$2 devices=$3 cfg=configs/llama3_8b_fp8.yaml
+    shift 3
+    local plugin=--trainer.plugins.init_args extra=()
+    case $variant in
+        bf16)                 cfg=configs/llama3_8b_bf16.yaml ;;
+        fp8-delayed)          ;;
+        fp8-current|fp8-block) extra=("$plugin.recipe" "${variant#fp8-}") ;;
+        fp8-current-bf16ends) extra=("$plugin.recipe" current "$plugin.bf16_first_layers" 1
+                                     "$plugin.bf16_last_layers" 1) ;;
+        fp8-tensorwise)       extra=("$plugin.recipe" tensorwise --model.attention sdpa) ;;
+        fp8-tensorwise-ag)    extra=("$plugin.recipe" tensorwise --model.attention sdpa
+                                     --trainer.strategy.init_args.float8_all_gather true) ;;
+        *) echo "unknown 8B variant $variant"; return ;;
+    esac
+    [ -n "${LAYERS:-}" ] && extra+=(--model.config.n_layer "$LAYERS")
+    CONFIG=$cfg DATA=$DATA8K FIT_TIMEOUT=${FIT_TIMEOUT:-420} fit "$name" "$devices" none \
+        "${extra[@]}" --data.num_workers 2 "$@"
+}
+
+table8b() {  # one run per variant, same seed, data and global batch; val loss at the last step
+    data8k
+    for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
+        llama "t8-$v" "$v" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
+            --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
+            --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0
+    done
+}
+
+throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 compiled and FP8
+    data8k
+    local v n
+    for v in ${VARIANTS8B_TP:-bf16 fp8-delayed}; do
+        for n in ${GPUS8B:-2 4}; do
+            [ "$n" -le "$NGPU" ] || continue
+            llama "tp8-$v-${n}gpu" "$v" "$n" --config "$OUT/throughput.yaml" \
+                --trainer.max_steps "$STEPS8B" --trainer.log_every_n_steps 5
+        done
+    done
+}
+
+eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
+    data8k
+    for e in false true; do
+        llama "e8-fp8eval-$e" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" \
+            --trainer.max_steps 20 --trainer.log_every_n_steps 5 --trainer.val_check_interval 10 \
+            --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 \
+            --trainer.plugins.init_args.fp8_eval "$e"
+    done
+}
+
+resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-19 against one run's
+    data8k
+    local root=$OUT free
+    free=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+    [ "${free:-0}" -gt 110 ] && root=/dev/shm/multi_gpu_8b
+    mkdir -p "$root"
+    free=$(df -BG --output=avail "$root" 2>/dev/null | tail -1 | tr -dc 0-9)
+    echo "=== resume-8b: checkpoints under $root (${free:-?} GB free; ~12 bytes per parameter)"
+    cat > "$OUT/resume8b.yaml" <<'YAML'
+trainer:
+  limit_val_batches: 0
+  enable_progress_bar: false
+  callbacks:
+    - class_path: fp8_lightning.Checkpoint
+      init_args:
+        every_n_train_steps: 10
+        save_top_k: 0
+    - class_path: fp8_lightning.TrainingMonitor
+      init_args:
+        sample_prompt: null
+YAML
+    # One schedule for all three (the LR decays over 19 steps, not over each run's max_steps).
+    local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps 19)
+    llama r8-whole fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
+        --trainer.max_steps 19
+    llama r8-first fp8-delayed "$DEVICES8B" --config "$OUT/resume8b.yaml" "${args[@]}" \
+        --trainer.max_steps 10 --trainer.default_root_dir "$root/r8-first"
+    du -sh "$root/r8-first/checkpoints/last.ckpt" | tee "$OUT/r8-ckpt-size.txt"
+    $PYTHON -m fp8_lightning checkpoints "$root/r8-first" | tee "$OUT/r8-checkpoints.txt"
+    llama r8-resumed fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
+        --trainer.max_steps 19 --ckpt_path "$root/r8-first/checkpoints/last.ckpt"
+    rm -rf "$root/r8-first"
+}
+
+scaling8b() {  # FSDP2 on DEVICES8B GPUs against one GPU, at 4 and 8 layers of the 8B shape
+    data8k
+    local args=(--config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" --trainer.log_every_n_steps 5)
+    for n in 4 8; do
+        LAYERS=$n llama "s8-l$n-1gpu" fp8-delayed 1 "${args[@]}"
+        [ "$DEVICES8B" -gt 1 ] && LAYERS=$n llama "s8-l$n-${DEVICES8B}gpu" fp8-delayed "$DEVICES8B" "${args[@]}"
+    done
+}
+
 for j in "$@"; do
     case $j in
         throughput-gpt2)     throughput gpt2 16 ;;
         throughput-gpt-1.3b) throughput gpt-1.3b 8 ;;
         loss-gpt2)           loss ;;
         resume-gpt2)         resume ;;
-        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b loss-gpt2 resume-gpt2"; exit 2 ;;
+        table-8b)            table8b ;;
+        eval-8b)             eval8b ;;
+        resume-8b)           resume8b ;;
+        scaling-8b)          scaling8b ;;
+        throughput-8b)       throughput8b ;;
+        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b loss-gpt2 resume-gpt2" \
+                "table-8b eval-8b resume-8b scaling-8b throughput-8b"; exit 2 ;;
     esac
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
 $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
-    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* loss-*)
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* loss-* t8-* e8-* r8-* s8-* tp8-*)

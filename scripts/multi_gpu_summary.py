@@ -1,5 +1,7 @@
 """Summarise ``multi_gpu.sh`` logs: tok/s per strategy and GPU count (median of the monitor's
-lines after the first two), scaling against one GPU, and the loss/resume checks.
+lines after the first two), scaling against one GPU, and the loss/resume checks; the 8B
+table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-``, ``s8-``,
+``tp8-`` logs).
 
 Usage: ``python scripts/multi_gpu_summary.py OUT_DIR``
 """
@@ -25,27 +27,123 @@ def read(log: Path) -> dict:
             "mfu": kept[-1][2] if kept else None, "val": val, "text": log.read_text(errors="replace")}
 
 
+LINE8B = re.compile(r"step (\d+) \| loss ([\d.]+|nan) .*\| dt ([\d.]+)ms \| tok/s ([\d,]+) \| "
+                    r"mfu ([\d.]+%|n/a)")
+VAL8B = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
+                   re.M)
+MEMORY = re.compile(r"memory: peak ([\d.]+) GiB in training")
+DEVICES = re.compile(r"=== devices: (\d+)")
+
+
+def read8b(log: Path) -> dict:
+    """A run of the 8B jobs: its steady lines (after the first two), validations and memory."""
+    text = log.read_text(errors="replace")
+    lines = [(int(m[1]), float(m[2]), float(m[3]), float(m[4].replace(",", "")), m[5])
+             for m in LINE8B.finditer(text)]
+    kept = lines[2:] or lines
+    peak, devices = MEMORY.search(text), DEVICES.search(text)
+    val = {int(m[1]): (float(m[2]), float(m[3]) if m[3] else None) for m in VAL8B.finditer(text)}
+    return {"lines": lines, "ms": statistics.median(x[2] for x in kept) if kept else None,
+            "tok_s": statistics.median(x[3] for x in kept) if kept else None,
+            "mfu": kept[-1][4] if kept else None, "val": val,
+            "last_val": val[max(val)][0] if val else None,
+            "peak": float(peak[1]) if peak else None, "gpus": int(devices[1]) if devices else 1,
+            "text": text}
+
+
+def main8b(out: Path) -> None:
+    runs = {p.stem.removeprefix("t8-"): read8b(p) for p in sorted(out.glob("t8-*.log"))}
+    if runs:
+        bf16 = runs.get("bf16", {})
+        print("\n8B table (FSDP2; s/it, tok/s per GPU and MFU: median of the monitor's lines after"
+              " the first two; peak: training, rank 0's GPU; val loss at the last step)")
+        print(f"  {'variant':<22} {'s/it':>7} {'tok/s/GPU':>10} {'speedup':>8} {'mfu':>6} "
+              f"{'peak GiB':>9} {'val loss':>9} {'vs bf16':>8}")
+        for name, r in runs.items():
+            if r["tok_s"] is None:
+                print(f"  {name:<22} no step lines (see the log)")
+                continue
+            val, ref = r["last_val"], bf16.get("last_val")
+            gap = f"{100 * (val - ref) / ref:+.2f}%" if val is not None and ref else "-"
+            speed = f"{r['tok_s'] / bf16['tok_s']:.2f}x" if bf16.get("tok_s") else "-"
+            print(f"  {name:<22} {r['ms'] / 1000:>7.3f} {r['tok_s'] / r['gpus']:>10,.0f} {speed:>8} "
+                  f"{r['mfu']:>6} {'-' if r['peak'] is None else format(r['peak'], '.1f'):>9} "
+                  f"{'-' if val is None else format(val, '.4f'):>9} {gap:>8}")
+    evals = {p.stem.removeprefix("e8-"): read8b(p) for p in sorted(out.glob("e8-*.log"))}
+    if evals:
+        print("\n8B evaluation inside FP8 delayed runs (validation every 10 steps, 4 batches; "
+              "peak GiB of each validation, training's peak, rank 0's GPU)")
+        for name, r in evals.items():
+            vals = "; ".join(f"step {s}: val loss {v:.4f}, peak {p} GiB"
+                             for s, (v, p) in r["val"].items())
+            print(f"  {name:<18} training peak {r['peak']} GiB; {vals or 'no validation ran'}")
+    whole, resumed = out / "r8-whole.log", out / "r8-resumed.log"
+    if whole.exists() and resumed.exists():
+        a = {step: loss for step, loss, *_ in read8b(whole)["lines"]}
+        b = {step: loss for step, loss, *_ in read8b(resumed)["lines"]}
+        common = sorted(set(a) & set(b))
+        worst = max((abs(b[k] - a[k]) / a[k] for k in common), default=None)
+        print(f"\n8B resume from the sharded step-10 checkpoint: {len(common)} steps compared "
+              f"({common[0] if common else '-'}..{common[-1] if common else '-'}); worst relative "
+              f"loss gap {'-' if worst is None else f'{worst:.2e}'}")
+        for pattern in ("FP8 scaling state restored for \\d+ TE modules", "data: resumed at [^\\n]*"):
+            if m := re.search(pattern, resumed.read_text(errors="replace")):
+                print(f"      {m[0]}")
+    tp8 = {p.stem.removeprefix("tp8-"): read8b(p) for p in sorted(out.glob("tp8-*.log"))}
+    if tp8:
+        print("\n8B throughput, FSDP2, 1 x 8192 per GPU (tok/s per GPU: median of the monitor's lines"
+              " after the first two; scaling against the fewest GPUs of the variant)")
+        for variant in sorted({name.rsplit("-", 1)[0] for name in tp8}):
+            rows = sorted((r["gpus"], r) for name, r in tp8.items()
+                          if name.rsplit("-", 1)[0] == variant and r["tok_s"])
+            for gpus, r in rows:
+                per = r["tok_s"] / gpus
+                base = rows[0][1]["tok_s"] / rows[0][0]
+                bf16 = tp8.get(f"bf16-{gpus}gpu", {}).get("tok_s")
+                print(f"  {variant:<14} {gpus} GPUs: {r['ms'] / 1000:.3f} s/it, {per:,.0f} tok/s per "
+                      f"GPU, scaling {per / base:.3f} vs {rows[0][0]} GPUs, mfu {r['mfu']}"
+                      + (f", {r['tok_s'] / bf16:.2f}x BF16" if bf16 else ""))
+    scaling = {p.stem.removeprefix("s8-"): read8b(p) for p in sorted(out.glob("s8-*.log"))}
+    if scaling:
+        print("\n8B-shape scaling, FSDP2, FP8 delayed, 1 x 8192 per GPU (efficiency = tok/s per GPU"
+              " / one GPU's)")
+        for layers in (4, 8):
+            one = scaling.get(f"l{layers}-1gpu", {})
+            for name, r in scaling.items():
+                if name.startswith(f"l{layers}-") and r.get("tok_s"):
+                    eff = (f"{r['tok_s'] / r['gpus'] / one['tok_s']:.3f}" if one.get("tok_s")
+                           else "-")
+                    print(f"  {layers} layers, {r['gpus']} GPU(s): {r['ms']:.1f} ms/step, "
+                          f"{r['tok_s'] / r['gpus']:,.0f} tok/s per GPU, efficiency {eff}")
+        t4, t8 = (scaling.get(f"l{n}-1gpu", {}).get("ms") for n in (4, 8))
+        full = runs.get("fp8-delayed", {})
+        if t4 and t8 and full.get("ms"):
+            one32 = t4 + (t8 - t4) / 4 * 28  # ms per step (1 x 8192) at 32 layers, one GPU
+            print(f"  32 layers: one GPU (extrapolated) {one32:.0f} ms/step; {full['gpus']} GPUs "
+                  f"(t8-fp8-delayed) {full['ms']:.0f} ms/step: efficiency {one32 / full['ms']:.3f}")
+
+
 def main(out: Path) -> None:
     print(f"device: {(out / 'gpu.txt').read_text().strip() if (out / 'gpu.txt').exists() else '?'}; "
           f"commit {(out / 'commit.txt').read_text().strip()[:7] if (out / 'commit.txt').exists() else '?'}")
     for model in ("gpt2", "gpt-1.3b"):
-        runs = {p.stem.removeprefix(f"tp-{model}-"): read(p) for p in out.glob(f"tp-{model}-*gpu.log")
-                if p.stem.removeprefix(f"tp-{model}-").count("-") <= 2}
-        if not runs:
-            continue
-        base = runs.get("1gpu", {}).get("tok_s")
-        print(f"\nthroughput {model} (FP8 delayed, tok/s over all GPUs; scaling = tok/s / (N x 1-GPU tok/s))")
-        for name in ["1gpu", "ddp-2gpu", "fsdp-2gpu", "ddp-4gpu", "fsdp-4gpu"]:
-            r = runs.get(name)
-            if r is None:
+        for prec, what in (("fp8", "FP8 delayed"), ("bf16", "BF16, plain PyTorch")):
+            prefix = f"tp-{model}-{prec}-"
+            runs = {p.stem.removeprefix(prefix): read(p) for p in out.glob(f"{prefix}*gpu.log")}
+            if not runs:
                 continue
-            n = 1 if name == "1gpu" else int(name[-4])
-            if r["tok_s"] is None:
-                print(f"  {name:<10} no tok/s lines (see the log)")
-                continue
-            scaling = f"{r['tok_s'] / (n * base):.2f}" if base else "-"
-            print(f"  {name:<10} {r['tok_s']:>12,.0f} tok/s  {r['tok_s'] / n:>10,.0f} per GPU  "
-                  f"scaling {scaling}  mfu {r['mfu']}")
+            base = runs.get("1gpu", {}).get("tok_s")
+            print(f"\nthroughput {model} ({what}; tok/s over all GPUs; scaling = tok/s / "
+                  f"(N x 1-GPU tok/s))")
+            for name in sorted(runs, key=lambda n: (int(re.search(r"(\d+)gpu", n)[1]), n)):
+                r, n = runs[name], int(re.search(r"(\d+)gpu", name)[1])
+                if r["tok_s"] is None:
+                    print(f"  {name:<10} no tok/s lines (see the log)")
+                    continue
+                scaling = f"{r['tok_s'] / (n * base):.2f}" if base else "-"
+                print(f"  {name:<10} {r['tok_s']:>12,.0f} tok/s  {r['tok_s'] / n:>10,.0f} per GPU  "
+                      f"scaling {scaling}  mfu {r['mfu']}")
+    main8b(out)
     losses = {p.stem.removeprefix("loss-"): read(p) for p in out.glob("loss-*.log")}
     if losses:
         ref = losses.get("1gpu", {}).get("val", {}).get(200)
