@@ -339,7 +339,8 @@ class GPTLightningModule(L.LightningModule):
             wanted = self.hparams.cuda_graphs
             trainer = self._trainer
             ok, reason = graphs_status(self.device.type, trainer.world_size if trainer else 1,
-                                       trainer.callbacks if trainer else [])
+                                       trainer.callbacks if trainer else [],
+                                       trainer is not None and is_sharded(trainer.strategy))
             if ok and self.backend_name != "te":
                 ok, reason = self._torch_graphs_status(wanted)
             if ok and self.hparams.activation_checkpointing != "none":
@@ -359,8 +360,6 @@ class GPTLightningModule(L.LightningModule):
         trainer = self._trainer
         if not self.compiled:
             return False, "the PyTorch backend replays CUDA graphs through torch.compile, which is off"
-        if trainer is not None and is_sharded(trainer.strategy):
-            return False, "FSDP2's hooks run in Python, outside a replay"
         if trainer is not None and trainer.accumulate_grad_batches > 1:
             # The backward graph's gradients live in its memory pool, which the next
             # micro-batch's replay overwrites while they are being accumulated into.
