@@ -143,10 +143,13 @@ DEVICES8B=${DEVICES8B:-2}
 STEPS8B=${STEPS8B:-30}
 DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
-data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once
+data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once; fails if it cannot
     [ -f "$DATA8K/meta.json" ] && return
+    # 4 workers: each worker's share of the 0.5% val split must hold whole blocks of 8193 tokens
+    # (16 left none with MAX_MB=40).
     $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA8K" \
-        --seq_len 8192 --val_fraction 0.005 --num_workers 16 2>&1 | grep -v "^INFO litdata" | tail -3
+        --seq_len 8192 --val_fraction 0.005 --num_workers 4 2>&1 | grep -v "^INFO litdata" | tail -3
+    [ -f "$DATA8K/meta.json" ]
 }
 
 llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
@@ -170,7 +173,7 @@ llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
 }
 
 table8b() {  # one run per variant, same seed, data and global batch; val loss at the last step
-    data8k
+    data8k || return
     for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
         llama "t8-$v" "$v" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
             --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
@@ -179,7 +182,7 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
 }
 
 throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 compiled and FP8
-    data8k
+    data8k || return
     local v n
     for v in ${VARIANTS8B_TP:-bf16 fp8-delayed}; do
         for n in ${GPUS8B:-2 4}; do
@@ -191,7 +194,7 @@ throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 
 }
 
 eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
-    data8k
+    data8k || return
     for e in false true; do
         llama "e8-fp8eval-$e" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" \
             --trainer.max_steps 20 --trainer.log_every_n_steps 5 --trainer.val_check_interval 10 \
@@ -201,7 +204,7 @@ eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
 }
 
 resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-19 against one run's
-    data8k
+    data8k || return
     local root=$OUT free
     free=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
     [ "${free:-0}" -gt 110 ] && root=/dev/shm/multi_gpu_8b
@@ -235,7 +238,7 @@ YAML
 }
 
 scaling8b() {  # FSDP2 on DEVICES8B GPUs against one GPU, at 4 and 8 layers of the 8B shape
-    data8k
+    data8k || return
     local args=(--config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" --trainer.log_every_n_steps 5)
     for n in 4 8; do
         LAYERS=$n llama "s8-l$n-1gpu" fp8-delayed 1 "${args[@]}"
