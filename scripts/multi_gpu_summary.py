@@ -10,6 +10,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 LINE = re.compile(r"step (\d+) \| loss ([\d.na]+) .*\| tok/s ([\d,]+) \| mfu ([\d.]+%|n/a)")
 VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)")
@@ -77,15 +78,25 @@ def main8b(out: Path) -> None:
             vals = "; ".join(f"step {s}: val loss {v:.4f}, peak {p} GiB"
                              for s, (v, p) in r["val"].items())
             print(f"  {name:<18} training peak {r['peak']} GiB; {vals or 'no validation ran'}")
-    whole, resumed = out / "r8-whole.log", out / "r8-resumed.log"
+    whole, resumed, again = (out / f"r8-{name}.log" for name in ("whole", "resumed", "again"))
     if whole.exists() and resumed.exists():
         a = {step: loss for step, loss, *_ in read8b(whole)["lines"]}
         b = {step: loss for step, loss, *_ in read8b(resumed)["lines"]}
-        common = sorted(set(a) & set(b))
-        worst = max((abs(b[k] - a[k]) / a[k] for k in common), default=None)
+        c = {step: loss for step, loss, *_ in read8b(again)["lines"]} if again.exists() else {}
+
+        def gap(x: dict) -> tuple[list[int], Optional[float]]:
+            common = sorted(set(a) & set(x) & set(b))
+            return common, max((abs(x[k] - a[k]) / a[k] for k in common), default=None)
+
+        common, worst = gap(b)
+        first = f"{abs(b[common[0]] - a[common[0]]) / a[common[0]]:.2e}" if common else "-"
         print(f"\n8B resume from the sharded step-10 checkpoint: {len(common)} steps compared "
-              f"({common[0] if common else '-'}..{common[-1] if common else '-'}); worst relative "
-              f"loss gap {'-' if worst is None else f'{worst:.2e}'}")
+              f"({common[0] if common else '-'}..{common[-1] if common else '-'}); relative loss "
+              f"gap at the first {first}, worst {'-' if worst is None else f'{worst:.2e}'}")
+        if c:
+            spread = gap(c)[1]
+            print(f"      two uninterrupted runs over the same steps: worst relative gap "
+                  f"{'-' if spread is None else f'{spread:.2e}'} (the run-to-run spread)")
         for pattern in ("FP8 scaling state restored for \\d+ TE modules", "data: resumed at [^\\n]*"):
             if m := re.search(pattern, resumed.read_text(errors="replace")):
                 print(f"      {m[0]}")
