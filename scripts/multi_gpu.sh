@@ -146,6 +146,10 @@ DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
 data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once; fails if it cannot
     [ -f "$DATA8K/meta.json" ] && return
+    if ! ls /tmp/pycode-txt/*.txt > /dev/null 2>&1; then  # DATA was prepared by an earlier call
+        $PYTHON scripts/py_corpus.py "$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
+            /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
+    fi
     # 4 workers: each worker's share of the 0.5% val split must hold whole blocks of 8193 tokens
     # (16 left none with MAX_MB=40).
     $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA8K" \
@@ -216,11 +220,12 @@ resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-1
 trainer:
   limit_val_batches: 0
   enable_progress_bar: false
-  callbacks:
+  callbacks:  # throughput.yaml's, plus the checkpoint: the runs differ only by the resume
     - class_path: fp8_lightning.Checkpoint
       init_args:
         every_n_train_steps: 10
         save_top_k: 0
+    - class_path: fp8_lightning.NaNGuard
     - class_path: fp8_lightning.TrainingMonitor
       init_args:
         sample_prompt: null

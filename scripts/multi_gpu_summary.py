@@ -28,7 +28,7 @@ def read(log: Path) -> dict:
             "mfu": kept[-1][2] if kept else None, "val": val, "text": log.read_text(errors="replace")}
 
 
-LINE8B = re.compile(r"step (\d+) \| loss ([\d.]+|nan) .*\| dt ([\d.]+)ms \| tok/s ([\d,]+) \| "
+LINE8B = re.compile(r"step (\d+) \| loss ([\d.]+|nan|inf) .*\| dt ([\d.]+)ms \| tok/s ([\d,]+) \| "
                     r"mfu ([\d.]+%|n/a)")
 VAL8B = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
                    re.M)
@@ -77,7 +77,8 @@ def main8b(out: Path) -> None:
         for name, r in evals.items():
             vals = "; ".join(f"step {s}: val loss {v:.4f}, peak {p} GiB"
                              for s, (v, p) in r["val"].items())
-            print(f"  {name:<18} training peak {r['peak']} GiB; {vals or 'no validation ran'}")
+            peak = "-" if r["peak"] is None else f"{r['peak']:.1f}"
+            print(f"  {name:<18} training peak {peak} GiB; {vals or 'no validation ran'}")
     whole, resumed, again = (out / f"r8-{name}.log" for name in ("whole", "resumed", "again"))
     if whole.exists() and resumed.exists():
         a = {step: loss for step, loss, *_ in read8b(whole)["lines"]}
