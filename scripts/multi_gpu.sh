@@ -145,16 +145,9 @@ STEPS8B=${STEPS8B:-30}
 DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
 data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once; fails if it cannot
-    [ -f "$DATA8K/meta.json" ] && return
-    if ! ls /tmp/pycode-txt/*.txt > /dev/null 2>&1; then  # DATA was prepared by an earlier call
-        $PYTHON scripts/py_corpus.py "$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
-            /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
-    fi
     # 4 workers: each worker's share of the 0.5% val split must hold whole blocks of 8193 tokens
     # (16 left none with MAX_MB=40).
-    $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA8K" \
-        --seq_len 8192 --val_fraction 0.005 --num_workers 4 2>&1 | grep -v "^INFO litdata" | tail -3
-    [ -f "$DATA8K/meta.json" ]
+    pycode_prepare "$DATA8K" 8192 4
 }
 
 llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
@@ -230,7 +223,7 @@ trainer:
       init_args:
         sample_prompt: null
 YAML
-    # One schedule for all three (the LR decays over 19 steps, not over each run's max_steps).
+    # One schedule for all four runs (the LR decays over 19 steps, not over each run's max_steps).
     local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps 19)
     # Twice: no two runs are bitwise equal (atomics in the backward), and in these first steps
     # (loss 13 -> 5) a small difference grows; the resumed run is judged against that spread.

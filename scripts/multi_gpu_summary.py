@@ -12,48 +12,34 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-LINE = re.compile(r"step (\d+) \| loss ([\d.na]+) .*\| tok/s ([\d,]+) \| mfu ([\d.]+%|n/a)")
-VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)")
-
-
-def read(log: Path) -> dict:
-    lines, val = [], {}
-    for text in log.read_text(errors="replace").splitlines():
-        if m := LINE.search(text):
-            lines.append((int(m[1]), float(m[3].replace(",", "")), m[4]))
-        elif m := VAL.search(text):
-            val[int(m[1])] = float(m[2])
-    kept = lines[2:] or lines
-    return {"tok_s": statistics.median(t for _, t, _ in kept) if kept else None,
-            "mfu": kept[-1][2] if kept else None, "val": val, "text": log.read_text(errors="replace")}
-
-
-LINE8B = re.compile(r"step (\d+) \| loss ([\d.]+|nan|inf) .*\| dt ([\d.]+)ms \| tok/s ([\d,]+) \| "
-                    r"mfu ([\d.]+%|n/a)")
-VAL8B = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
-                   re.M)
+LINE = re.compile(r"step (\d+) \| loss ([\d.]+|nan|inf) .*\| dt ([\d.]+)ms \| tok/s ([\d,]+) \| "
+                  r"mfu ([\d.]+%|n/a)")
+VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
+                 re.M)
 MEMORY = re.compile(r"memory: peak ([\d.]+) GiB in training")
 DEVICES = re.compile(r"=== devices: (\d+)")
 
 
-def read8b(log: Path) -> dict:
-    """A run of the 8B jobs: its steady lines (after the first two), validations and memory."""
+def read(log: Path) -> dict:
+    """One run's log: its monitor lines (steady: after the first two), validations and memory."""
     text = log.read_text(errors="replace")
     lines = [(int(m[1]), float(m[2]), float(m[3]), float(m[4].replace(",", "")), m[5])
-             for m in LINE8B.finditer(text)]
+             for m in LINE.finditer(text)]
     kept = lines[2:] or lines
     peak, devices = MEMORY.search(text), DEVICES.search(text)
-    val = {int(m[1]): (float(m[2]), float(m[3]) if m[3] else None) for m in VAL8B.finditer(text)}
+    vals = list(VAL.finditer(text))
+    val = {int(m[1]): float(m[2]) for m in vals}
     return {"lines": lines, "ms": statistics.median(x[2] for x in kept) if kept else None,
             "tok_s": statistics.median(x[3] for x in kept) if kept else None,
             "mfu": kept[-1][4] if kept else None, "val": val,
-            "last_val": val[max(val)][0] if val else None,
+            "val_peak": {int(m[1]): float(m[3]) if m[3] else None for m in vals},
+            "last_val": val[max(val)] if val else None,
             "peak": float(peak[1]) if peak else None, "gpus": int(devices[1]) if devices else 1,
             "text": text}
 
 
 def main8b(out: Path) -> None:
-    runs = {p.stem.removeprefix("t8-"): read8b(p) for p in sorted(out.glob("t8-*.log"))}
+    runs = {p.stem.removeprefix("t8-"): read(p) for p in sorted(out.glob("t8-*.log"))}
     if runs:
         bf16 = runs.get("bf16", {})
         print("\n8B table (FSDP2; s/it, tok/s per GPU and MFU: median of the monitor's lines after"
@@ -70,20 +56,20 @@ def main8b(out: Path) -> None:
             print(f"  {name:<22} {r['ms'] / 1000:>7.3f} {r['tok_s'] / r['gpus']:>10,.0f} {speed:>8} "
                   f"{r['mfu']:>6} {'-' if r['peak'] is None else format(r['peak'], '.1f'):>9} "
                   f"{'-' if val is None else format(val, '.4f'):>9} {gap:>8}")
-    evals = {p.stem.removeprefix("e8-"): read8b(p) for p in sorted(out.glob("e8-*.log"))}
+    evals = {p.stem.removeprefix("e8-"): read(p) for p in sorted(out.glob("e8-*.log"))}
     if evals:
         print("\n8B evaluation inside FP8 delayed runs (validation every 10 steps, 4 batches; "
               "peak GiB of each validation, training's peak, rank 0's GPU)")
         for name, r in evals.items():
             vals = "; ".join(f"step {s}: val loss {v:.4f}, peak {p} GiB"
-                             for s, (v, p) in r["val"].items())
+                             for s, v in r["val"].items() for p in [r["val_peak"][s]])
             peak = "-" if r["peak"] is None else f"{r['peak']:.1f}"
             print(f"  {name:<18} training peak {peak} GiB; {vals or 'no validation ran'}")
     whole, resumed, again = (out / f"r8-{name}.log" for name in ("whole", "resumed", "again"))
     if whole.exists() and resumed.exists():
-        a = {step: loss for step, loss, *_ in read8b(whole)["lines"]}
-        b = {step: loss for step, loss, *_ in read8b(resumed)["lines"]}
-        c = {step: loss for step, loss, *_ in read8b(again)["lines"]} if again.exists() else {}
+        a = {step: loss for step, loss, *_ in read(whole)["lines"]}
+        b = {step: loss for step, loss, *_ in read(resumed)["lines"]}
+        c = {step: loss for step, loss, *_ in read(again)["lines"]} if again.exists() else {}
 
         def gap(x: dict) -> tuple[list[int], Optional[float]]:
             common = sorted(set(a) & set(x) & set(b))
@@ -101,7 +87,7 @@ def main8b(out: Path) -> None:
         for pattern in ("FP8 scaling state restored for \\d+ TE modules", "data: resumed at [^\\n]*"):
             if m := re.search(pattern, resumed.read_text(errors="replace")):
                 print(f"      {m[0]}")
-    tp8 = {p.stem.removeprefix("tp8-"): read8b(p) for p in sorted(out.glob("tp8-*.log"))}
+    tp8 = {p.stem.removeprefix("tp8-"): read(p) for p in sorted(out.glob("tp8-*.log"))}
     if tp8:
         print("\n8B throughput, FSDP2, 1 x 8192 per GPU (tok/s per GPU: median of the monitor's lines"
               " after the first two; scaling against the fewest GPUs of the variant)")
@@ -115,7 +101,7 @@ def main8b(out: Path) -> None:
                 print(f"  {variant:<14} {gpus} GPUs: {r['ms'] / 1000:.3f} s/it, {per:,.0f} tok/s per "
                       f"GPU, scaling {per / base:.3f} vs {rows[0][0]} GPUs, mfu {r['mfu']}"
                       + (f", {r['tok_s'] / bf16:.2f}x BF16" if bf16 else ""))
-    scaling = {p.stem.removeprefix("s8-"): read8b(p) for p in sorted(out.glob("s8-*.log"))}
+    scaling = {p.stem.removeprefix("s8-"): read(p) for p in sorted(out.glob("s8-*.log"))}
     if scaling:
         print("\n8B-shape scaling, FSDP2, FP8 delayed, 1 x 8192 per GPU (efficiency = tok/s per GPU"
               " / one GPU's)")

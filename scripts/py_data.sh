@@ -1,9 +1,18 @@
 # Sourced by convergence.sh and multi_gpu.sh: prepare ~100 MB of real Python source from the GPU
 # image's site-packages (16 files, sorted path order) as GPT-2 BPE litdata shards in $DATA, once.
+# pycode_prepare DIR SEQ_LEN WORKERS cuts the same text in other block sizes (multi_gpu.sh's 8B
+# jobs: 8192); it fails if DIR could not be prepared.
 DATA=${DATA:-/tmp/pycode-ds}
-if [ ! -f "$DATA/meta.json" ]; then
-    SRC=$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    $PYTHON scripts/py_corpus.py "$SRC" /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
-    $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$DATA" \
-        --seq_len 1024 --val_fraction 0.005 --num_workers 16 2>&1 | grep -v "^INFO litdata" | tail -3
-fi
+pycode_prepare() {
+    local dir=$1 seq_len=$2 workers=$3
+    [ -f "$dir/meta.json" ] && return
+    if ! ls /tmp/pycode-txt/*.txt > /dev/null 2>&1; then  # the text, once per machine
+        $PYTHON scripts/py_corpus.py "$($PYTHON -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
+            /tmp/pycode-txt --max_mb "${MAX_MB:-100}" --files 16
+    fi
+    $PYTHON -m fp8_lightning prepare --inputs '/tmp/pycode-txt/*.txt' --output_dir "$dir" \
+        --seq_len "$seq_len" --val_fraction 0.005 --num_workers "$workers" 2>&1 \
+        | grep -v "^INFO litdata" | tail -3
+    [ -f "$dir/meta.json" ]
+}
+pycode_prepare "$DATA" 1024 16
