@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AtomicCheckpointIO": "checkpoint", "CheckpointError": "checkpoint",
     "Checkpoint": "callbacks.checkpoint", "TrainingMonitor": "callbacks.monitor",
-    "FaultInjection": "callbacks.faults",
+    "FaultInjection": "callbacks.faults", "StepProfile": "callbacks.profile",
     "NaNGuard": "callbacks.guard", "NonFiniteTrainingError": "callbacks.guard",
     "PRESETS": "config", "ConfigError": "config", "GPTConfig": "config",
     "TokenShardDataModule": "data.streaming", "prepare": "data.prepare",

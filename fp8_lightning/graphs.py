@@ -8,7 +8,10 @@ module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A
 costs the host one launch per graph and direction.
 
 What stays outside the graphs: the embedding, the final norm, the LM head and the loss (the
-compiled loss is one call), the optimizer. The blocks' graphs are captured lazily at the first
+compiled loss is one call), the optimizer, and under DDP the gradient all-reduce: each block is
+its own graph there, so a block's gradients reach DDP's buckets as soon as its backward replay
+ends and their all-reduce overlaps the next block's backward (PyTorch's partial-network capture
+with DDP: the collectives stay outside the captured sections). The blocks' graphs are captured lazily at the first
 training step (they need its micro-batch shape) and are used only while the model trains with
 the FP8 state they were captured with; otherwise (validation, a BF16 fallback, another shape)
 the blocks run eagerly.
@@ -36,19 +39,18 @@ def fp8_state() -> tuple[bool, Any, Any]:
     return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
 
 
-# What one graph replays: the whole stack of blocks (``model.blocks``: one forward and one
-# backward replay per step) or each block (two replays per block). Measured: see
-# docs/benchmarks.md, "Session 12".
-WHOLE_STACK = True
-
-
 class BlockGraphs:
-    """The captured graphs of a model's blocks, and the switch between them and eager."""
+    """The captured graphs of a model's blocks, and the switch between them and eager.
+
+    ``per_block``: one graph per block (two replays per block and step: under DDP, so that each
+    block's gradients are all-reduced while the blocks before it run their backward) or one graph
+    of the whole stack (one replay per direction: the least host time on one GPU).
+    """
 
     def __init__(self, model: nn.Module, batch_shape: tuple[int, int],
-                 clone_grads: bool = True) -> None:
+                 clone_grads: bool = True, per_block: bool = False) -> None:
         fp8, recipe, group = fp8_state()
-        units = (model.blocks,) if WHOLE_STACK else tuple(model.blocks)
+        units = tuple(model.blocks) if per_block else (model.blocks,)
         B, T = batch_shape
         weight = model.wte.weight
         dtype = model.residual_dtype(weight)  # the residual stream as the blocks receive it
@@ -60,6 +62,10 @@ class BlockGraphs:
         self.key = self.key_of(batch_shape, fp8)
         self.units, self.n_blocks = units, len(model.blocks)
         unit_call = type(units[0]).__call__
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # No collective in flight when the capture starts (the NCCL watchdog's queries of
+            # such work are what broke captures: pytorch/pytorch#104487).
+            torch.cuda.synchronize()
         try:
             # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
             # re-casting a weight used twice in one forward, which a replay never does.
@@ -108,23 +114,22 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),
     the PyTorch backend's compiled model (which has conditions of its own besides)."""
     if device_type != "cuda":
         return False, "CUDA graphs need a GPU"
-    if world_size > 1:
-        return False, ("several processes: the graphs would capture one rank's collectives; "
-                       "DDP/FSDP keep the eager blocks")
-    if sharded:  # FSDP2 over one GPU: capturing a block ran its forward before the root's, and
-        # FSDP2 then refused the root ("FSDP state has already been lazily initialized for
-        # blocks.0"; configs/llama3_8b_fp8.yaml cut to 2 layers on one H200)
+    if sharded:  # FSDP2 gathers each block's weights in Python hooks into storage it frees and
+        # reallocates, which a replay would not see; and capturing a block ran its forward before
+        # the root's, which FSDP2 then refused ("FSDP state has already been lazily initialized
+        # for blocks.0")
         return False, "FSDP2's hooks run in Python, outside a replay"
     if any(type(c).__name__ == "FP8Stats" for c in callbacks):
         return False, "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
-    return True, "one GPU"
+    # DDP: its all-reduce runs in autograd hooks after each captured block's backward
+    return True, "one GPU" if world_size == 1 else "DDP, a graph per block"
 
 
 FAILED = "failed"  # prepare_graphs' result after a failed capture: never tried again
 
 
 def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
-                   accumulate_grad_batches: int = 1) -> Any:
+                   accumulate_grad_batches: int = 1, per_block: bool = False) -> Any:
     """Before a training forward: capture on first use, then replay only while the micro-batch
     shape and the FP8 state are the ones captured (else eager for this step).
 
@@ -139,7 +144,8 @@ def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
         return graphs
     if graphs is None:
         try:
-            graphs = BlockGraphs(model, batch_shape, clone_grads=accumulate_grad_batches > 1)
+            graphs = BlockGraphs(model, batch_shape, clone_grads=accumulate_grad_batches > 1,
+                                 per_block=per_block)
         except Exception as err:  # noqa: BLE001 - the step still runs, eagerly, and says why
             for unit in (model.blocks, *model.blocks):
                 unit.__dict__.pop("forward", None)

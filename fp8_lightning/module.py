@@ -93,16 +93,17 @@ class GPTLightningModule(L.LightningModule):
             host issues one launch where it issued hundreds: on the TE backend the transformer
             blocks (:mod:`fp8_lightning.graphs`), on the PyTorch backend the compiled model
             (``torch.compile(mode="reduce-overhead")``); captured at the first step. Default: on
-            where that is measured to win: one GPU, the TE backend, or the PyTorch backend with
-            the torchao engine's float8 GEMMs (GPT-2 124M, H100: 42.63 -> 40.28 ms/step; in BF16
-            it gained 0.7%, so BF16 on the PyTorch backend stays without). DDP/FSDP2, FP8Stats,
-            activation checkpointing and, on the PyTorch backend, gradient accumulation run
+            where that is measured to win: the TE backend on one GPU (the stack as one graph)
+            and under DDP (a graph per block, DDP's all-reduce between them), or the PyTorch
+            backend on one GPU with the torchao engine's float8 GEMMs (in BF16 it gained under
+            1%, so BF16 on the PyTorch backend stays without). FSDP2, FP8Stats, activation
+            checkpointing and, on the PyTorch backend, gradient accumulation and DDP run
             without.
         compile: ``torch.compile`` the model for training (parameter names unchanged; see
-            :func:`~fp8_lightning.model.compile_model`). Default: on one GPU where it works; off
-            on a CPU (compilation costs more than a short CPU run saves) and with several
-            processes (not yet verified under DDP/FSDP2). A compilation that fails at the first
-            step falls back to eager with the reason.
+            :func:`~fp8_lightning.model.compile_model`). Default: on a GPU where it works, one
+            or several (DDP, FSDP2); off on a CPU (compilation costs more than a short CPU run
+            saves). A compilation that fails at the first step falls back to eager with the
+            reason.
         activation_checkpointing: trade compute for memory: ``none``; ``full`` (a checkpointed
             block keeps only its input and recomputes its forward in the backward: ~1/3 more
             compute, the least memory); ``mlp`` (selective: the MLP's norm, fc1 output and
@@ -297,14 +298,10 @@ class GPTLightningModule(L.LightningModule):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         wanted = self.hparams.compile
         ok, reason = compile_status(device)
-        world = self._trainer.world_size if self._trainer is not None else 1
         if wanted is None:
             if ok and device != "cuda":
-                reason = "off by default on a CPU (model.compile: true)"
-            elif ok and world > 1:  # compiled regions under DDP/FSDP2: not run on a GPU yet
-                reason = ("off by default with several processes (DDP/FSDP2): not yet verified "
-                          "there; model.compile: true to try it")
-            return ok and device == "cuda" and world == 1, reason
+                reason = "compilation costs a short CPU run more than it saves; model.compile: true to compile"
+            return ok and device == "cuda", reason
         if wanted and not ok:
             return False, f"model.compile=true but {reason}; training eagerly"
         return bool(wanted), reason
@@ -360,6 +357,9 @@ class GPTLightningModule(L.LightningModule):
         trainer = self._trainer
         if not self.compiled:
             return False, "the PyTorch backend replays CUDA graphs through torch.compile, which is off"
+        if trainer is not None and trainer.world_size > 1:
+            return False, ("several processes: Inductor's graphs are not captured around DDP's "
+                           "all-reduce hooks here")
         if trainer is not None and trainer.accumulate_grad_batches > 1:
             # The backward graph's gradients live in its memory pool, which the next
             # micro-batch's replay overwrites while they are being accumulated into.
@@ -379,7 +379,8 @@ class GPTLightningModule(L.LightningModule):
 
             trainer = self._trainer
             self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
-                                          trainer.accumulate_grad_batches if trainer else 1)
+                                          trainer.accumulate_grad_batches if trainer else 1,
+                                          per_block=trainer is not None and trainer.world_size > 1)
         if self.compiled and not self._compile_checked:
             if (self.backend_name == "torch" and not self._cudagraphed
                     and self._use_graphs()):  # before the compiled model's first call

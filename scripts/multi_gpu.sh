@@ -4,10 +4,14 @@
 # scripts/py_data.sh, one process per GPU.
 #
 # Usage: scripts/multi_gpu.sh JOB...
-#   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then DDP and FSDP2 on each of GPUS,
-#                  for each of PRECISIONS (fp8: configs/gpt2_fp8.yaml, TE delayed; bf16:
-#                  configs/gpt2_bf16.yaml, plain PyTorch), model.compile COMPILE on every run
-#                  (STEPS steps; log lines after the first two are kept)
+#   throughput-gpt2 | throughput-gpt-1.3b   tok/s on 1 GPU, then each of STRATEGIES (ddp: configs/
+#                  ddp.yaml, fsdp: configs/fsdp.yaml) on each of GPUS, for each of PRECISIONS
+#                  (precision_args below: fp8 = configs/gpt2_fp8.yaml, TE delayed; bf16 =
+#                  configs/gpt2_bf16.yaml, the PyTorch backend compiled); STEPS steps, the
+#                  monitor's lines after the first two kept; StepProfile splits steps PROFILE_AT
+#                  to PROFILE_AT+4 into GPU compute, exposed communication and GPU idle per rank
+#   plain-gpt2 | plain-gpt-1.3b   benchmarks/plain_pytorch.py (no Lightning, BF16 compiled) on 1
+#                  GPU, then each of STRATEGIES on each of GPUS through torchrun
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the 4 ranks' samples
 #                  (data.emulate_ranks 4, batch 8 x 4 accumulated: at every step exactly the
 #                  samples of the 4-GPU runs), DDP and FSDP2 on 4 GPUs (batch 8 each); val loss
@@ -31,8 +35,9 @@
 #   throughput-8b  FSDP2 tok/s per GPU of the 8B model (BF16 compiled and FP8 delayed,
 #                  VARIANTS8B_TP) on each of GPUS8B (default 2 4), 1 x 8192 per GPU, STEPS8B steps;
 #                  scaling against the fewest GPUs run
-# Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 60), PRECISIONS
-# (default "fp8 bf16"), GPUS (default "2 4"), COMPILE (default true); for the
+# Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 120), PRECISIONS
+# (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"), COMPILE (unset:
+# model.compile's default), PROFILE_AT (default 50); for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s).
@@ -43,10 +48,10 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-multi_gpu_out}
 PYTHON=${PYTHON:-python}
-STEPS=${STEPS:-60}
-PRECISIONS=${PRECISIONS:-fp8 bf16}  # configs/gpt2_fp8.yaml (TE delayed), configs/gpt2_bf16.yaml
+STEPS=${STEPS:-120}
+PRECISIONS=${PRECISIONS:-fp8 bf16}  # entries of precision_args
 GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
-COMPILE=${COMPILE:-true}
+STRATEGIES=${STRATEGIES:-ddp fsdp}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 . scripts/py_data.sh
@@ -98,18 +103,50 @@ fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
     grep -E "Error|error:" "$OUT/$name.log" | head -3
 }
 
-throughput() {  # throughput MODEL BATCH: FP8 delayed and compiled BF16, 1 GPU then DDP and FSDP2
-    local model=$1 batch=$2 prec cfg
+precision_args() {  # precision_args NAME: the config and overrides of a PRECISIONS entry
+    case $1 in
+        bf16)           echo "configs/gpt2_bf16.yaml" ;;
+        fp8)            echo "configs/gpt2_fp8.yaml" ;;  # TE delayed
+        fp8-nograph)    echo "configs/gpt2_fp8.yaml --model.cuda_graphs false" ;;
+        fp8-current)    echo "configs/gpt2_fp8.yaml --trainer.plugins.init_args.recipe current" ;;
+        fp8-tensorwise) echo "configs/gpt2_fp8.yaml --trainer.plugins.init_args.recipe tensorwise --model.attention sdpa" ;;
+        *) echo "unknown precision $1" >&2; return 1 ;;
+    esac
+}
+
+plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP and FSDP2 on GPUS
+    local model=$1 batch=$2 n s
+    local args=(--model "$model" --batch_size "$batch" --steps "$STEPS")
+    echo "=== plain-$model-1gpu"
+    CUDA_VISIBLE_DEVICES=0 timeout "${FIT_TIMEOUT:-420}" $PYTHON benchmarks/plain_pytorch.py "${args[@]}" \
+        > "$OUT/plain-$model-1gpu.log" 2>&1
+    for n in $GPUS; do
+        [ "$n" -le "$NGPU" ] || continue
+        for s in $STRATEGIES; do
+            echo "=== plain-$model-$s-${n}gpu"
+            timeout "${FIT_TIMEOUT:-420}" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
+                benchmarks/plain_pytorch.py "${args[@]}" --strategy $s > "$OUT/plain-$model-$s-${n}gpu.log" 2>&1
+        done
+    done
+    tail -qn1 "$OUT"/plain-"$model"-*.log
+}
+
+throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP and FSDP2 on GPUS
+    local model=$1 batch=$2 prec cfg n s
+    # StepProfile splits steps PROFILE_AT.. into GPU compute, exposed communication and GPU idle
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
                 --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10
-                --model.compile "$COMPILE")  # the same on every GPU count (off by default on several)
+                --trainer.callbacks+=fp8_lightning.StepProfile
+                --trainer.callbacks.start_step "${PROFILE_AT:-50}")
+    [ -n "${COMPILE:-}" ] && args+=(--model.compile "$COMPILE")
     for prec in $PRECISIONS; do
-        cfg=configs/gpt2_$prec.yaml
-        CONFIG=$cfg fit "tp-$model-$prec-1gpu" 1 none "${args[@]}"
+        cfg=($(precision_args "$prec")) || continue
+        CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
         for n in $GPUS; do
             [ "$n" -le "$NGPU" ] || continue
-            CONFIG=$cfg fit "tp-$model-$prec-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}"
-            CONFIG=$cfg fit "tp-$model-$prec-fsdp-${n}gpu" "$n" configs/fsdp.yaml "${args[@]}"
+            for s in $STRATEGIES; do
+                CONFIG=${cfg[0]} fit "tp-$model-$prec-$s-${n}gpu" "$n" "configs/$s.yaml" "${args[@]}" "${cfg[@]:1}"
+            done
         done
     done
 }
@@ -254,6 +291,8 @@ for j in "$@"; do
     case $j in
         throughput-gpt2)     throughput gpt2 16 ;;
         throughput-gpt-1.3b) throughput gpt-1.3b 8 ;;
+        plain-gpt2)          plain gpt2 16 ;;
+        plain-gpt-1.3b)      plain gpt-1.3b 8 ;;
         loss-gpt2)           loss ;;
         resume-gpt2)         resume ;;
         table-8b)            table8b ;;
@@ -261,7 +300,7 @@ for j in "$@"; do
         resume-8b)           resume8b ;;
         scaling-8b)          scaling8b ;;
         throughput-8b)       throughput8b ;;
-        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b loss-gpt2 resume-gpt2" \
+        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
                 "table-8b eval-8b resume-8b scaling-8b throughput-8b"; exit 2 ;;
     esac
 done
@@ -269,4 +308,4 @@ find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
 $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
-    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* loss-* t8-* e8-* r8-* s8-* tp8-*)
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* loss-* t8-* e8-* r8-* s8-* tp8-*)

@@ -121,26 +121,60 @@ def main8b(out: Path) -> None:
                   f"(t8-fp8-delayed) {full['ms']:.0f} ms/step: efficiency {one32 / full['ms']:.3f}")
 
 
+NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)-\d+gpu)$")  # variant, layout
+PROFILE_ROW = re.compile(r"^(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", re.M)
+
+
+def plain(log: Path) -> Optional[dict]:
+    """benchmarks/plain_pytorch.py's JSON line."""
+    import json
+
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
+def profile_rows(text: str) -> list[str]:
+    """StepProfile's rows: rank, step, compute, exposed comm, GPU idle, comm (ms per step)."""
+    at = text.find("profile: steps")
+    return [f"rank {m[1]}: step {m[2]} = compute {m[3]} + exposed comm {m[4]} + idle {m[5]} "
+            f"(comm {m[6]})" for m in PROFILE_ROW.finditer(text[at:at + 2000])] if at >= 0 else []
+
+
 def main(out: Path) -> None:
     print(f"device: {(out / 'gpu.txt').read_text().strip() if (out / 'gpu.txt').exists() else '?'}; "
           f"commit {(out / 'commit.txt').read_text().strip()[:7] if (out / 'commit.txt').exists() else '?'}")
     for model in ("gpt2", "gpt-1.3b"):
-        for prec, what in (("fp8", "FP8 delayed"), ("bf16", "BF16, plain PyTorch")):
-            prefix = f"tp-{model}-{prec}-"
-            runs = {p.stem.removeprefix(prefix): read(p) for p in out.glob(f"{prefix}*gpu.log")}
-            if not runs:
-                continue
-            base = runs.get("1gpu", {}).get("tok_s")
-            print(f"\nthroughput {model} ({what}; tok/s over all GPUs; scaling = tok/s / "
-                  f"(N x 1-GPU tok/s))")
-            for name in sorted(runs, key=lambda n: (int(re.search(r"(\d+)gpu", n)[1]), n)):
-                r, n = runs[name], int(re.search(r"(\d+)gpu", name)[1])
-                if r["tok_s"] is None:
-                    print(f"  {name:<10} no tok/s lines (see the log)")
-                    continue
-                scaling = f"{r['tok_s'] / (n * base):.2f}" if base else "-"
-                print(f"  {name:<10} {r['tok_s']:>12,.0f} tok/s  {r['tok_s'] / n:>10,.0f} per GPU  "
-                      f"scaling {scaling}  mfu {r['mfu']}")
+        runs = {p.stem.removeprefix(f"tp-{model}-"): read(p) for p in out.glob(f"tp-{model}-*gpu.log")}
+        scripts = {p.stem.removeprefix(f"plain-{model}-"): plain(p)
+                   for p in out.glob(f"plain-{model}-*gpu.log")}
+        if not runs and not scripts:
+            continue
+        print(f"\n{model}: tok/s per GPU (median of the monitor's lines after the first two; the "
+              "plain script: median of 10-step windows); scaling = per GPU / the same run's 1 GPU; "
+              "vs BF16 = over the faster BF16 (package or plain script) at the same layout")
+        bf16 = {}  # layout -> the faster BF16 tok/s per GPU
+        for layout, r in scripts.items():
+            if r:
+                bf16[layout] = r["tok_s_per_gpu"]
+        for name, r in runs.items():
+            if name.startswith("bf16-") and r["tok_s"]:
+                layout = name.removeprefix("bf16-")
+                bf16[layout] = max(bf16.get(layout, 0), r["tok_s"] / r["gpus"])
+        rows = [(f"plain-{k}", v["tok_s_per_gpu"], v["mfu_pct"]) for k, v in scripts.items() if v]
+        rows += [(k, r["tok_s"] / r["gpus"], r["mfu"]) for k, r in runs.items() if r["tok_s"]]
+        split = {name: NAME.match(name).groups() for name, *_ in rows}  # (variant, layout)
+        one = {split[name][0]: per_gpu for name, per_gpu, _ in rows if split[name][1] == "1gpu"}
+        for name, per_gpu, mfu in sorted(rows, key=lambda x: (split[x[0]][0], split[x[0]][1])):
+            variant, layout = split[name]
+            scaling = f"{per_gpu / one[variant]:.2f}" if layout != "1gpu" and one.get(variant) else "-"
+            versus = f"{per_gpu / bf16[layout]:.2f}x" if bf16.get(layout) else "-"
+            print(f"  {variant:<16} {layout:<10} {per_gpu:>10,.0f} per GPU  scaling {scaling:>5}  "
+                  f"vs BF16 {versus:>6}  mfu {mfu}")
+        for name, r in sorted(runs.items()):
+            for row in profile_rows(r["text"]):
+                print(f"      profile {name}: {row}")
     main8b(out)
     losses = {p.stem.removeprefix("loss-"): read(p) for p in out.glob("loss-*.log")}
     if losses:

@@ -4,6 +4,7 @@ a stable directory and keep-last-K."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -125,8 +126,6 @@ class Checkpoint(ModelCheckpoint):
             try:
                 os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
             except OSError:
-                import shutil
-
                 shutil.copy2(last, tmp)
             os.replace(tmp, target)
         kept = sorted(last.parent.glob("step-*.ckpt"))

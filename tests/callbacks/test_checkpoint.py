@@ -195,3 +195,26 @@ def test_ckpt_path_last_resumes_from_the_runs_checkpoint_directory(tmp_path):
     assert resumed.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
     assert resumed.global_step == 3
 
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_keep_last_rotates_sharded_directories_and_files(tmp_path, sharded):
+    """``keep_last`` keeps the newest N periodic copies of ``last.ckpt``, whether it is one file or
+    a sharded directory (FSDP2); removing an old directory once raised UnboundLocalError at the
+    first rotation, killing the run."""
+    callback = Checkpoint(dirpath=str(tmp_path), keep_last=2)
+    last = tmp_path / "last.ckpt"
+    for step in (100, 200, 300):
+        if sharded:
+            last.mkdir(exist_ok=True)  # a directory of shards, as DCP writes it
+            (last / "__0_0.distcp").write_bytes(b"shard %d" % step)
+            (last / "meta.pt").write_bytes(b"meta %d" % step)
+        else:
+            last.unlink(missing_ok=True)
+            last.write_bytes(b"weights %d" % step)
+        callback._keep(last, step)
+    kept = sorted(p.name for p in tmp_path.glob("step-*.ckpt"))
+    assert kept == ["step-0000200.ckpt", "step-0000300.ckpt"]
+    newest = tmp_path / "step-0000300.ckpt"
+    content = (newest / "__0_0.distcp") if sharded else newest
+    assert content.read_bytes().endswith(b"300") and last.exists()

@@ -1,0 +1,112 @@
+"""The plain PyTorch baseline: this package's PyTorch-backend GPT trained the way a hand-written
+script would, with no Lightning: ``torch.compile``, BF16 autocast, fused AdamW, gradient-norm
+clip 1.0, random tokens already on the GPU (no data loading), and on several GPUs
+``DistributedDataParallel`` or FSDP2 (``fully_shard`` per block, BF16 gathers, fp32 reduction).
+Every BF16 column of docs/benchmarks.md is the faster of this script and the package's own
+compiled BF16 run.
+
+Usage (one GPU, then two):
+    python benchmarks/plain_pytorch.py --model gpt2 --batch_size 16
+    torchrun --nproc_per_node 2 benchmarks/plain_pytorch.py --model gpt2 --batch_size 16 --strategy ddp
+
+Prints one JSON line (rank 0): tok/s per GPU as the median of 10-step windows after the
+warm-up, the step time, MFU and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from fp8_lightning.config import GPTConfig  # noqa: E402
+from fp8_lightning.flops import flops_per_token, mfu, peak_for  # noqa: E402
+from fp8_lightning.model import GPT  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt2", help="a preset of fp8_lightning.config")
+    parser.add_argument("--batch_size", type=int, default=16, help="sequences per GPU")
+    parser.add_argument("--seq_len", type=int, default=None, help="default: the block size")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                        help="with several processes (torchrun)")
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    if world > 1:
+        dist.init_process_group("nccl", device_id=device)
+    torch.manual_seed(1337 + local)
+    config = GPTConfig.from_name(args.model)
+    T = args.seq_len or config.block_size
+    with device:
+        model = GPT(config, backend="torch")
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n.split(".")[0] not in ("wte", "wpe")]
+    rest = [p for p in model.parameters() if not any(p is d for d in decay)]
+    if world > 1 and args.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n.split(".")[0] not in ("wte", "wpe")]
+        rest = [p for p in model.parameters() if not any(p is d for d in decay)]
+        step_model = torch.compile(model)
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        step_model = torch.compile(DistributedDataParallel(model, device_ids=[local],
+                                                           gradient_as_bucket_view=True))
+    else:
+        step_model = torch.compile(model)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": rest, "weight_decay": 0.0}],
+                                  lr=6e-4, betas=(0.9, 0.95), fused=True)
+    batches = torch.randint(0, config.vocab_size, (4, args.batch_size, T + 1), device=device)
+
+    windows, start, end = [], torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for step in range(args.steps):
+        if step >= args.warmup and (step - args.warmup) % 10 == 0:
+            if step > args.warmup:
+                end.record()
+                end.synchronize()
+                windows.append(start.elapsed_time(end) / 10)
+            start.record()
+        batch = batches[step % len(batches)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_model(batch[:, :-1], batch[:, 1:])  # (B, T) inputs and targets
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    ms = statistics.median(windows)
+    tok_s = args.batch_size * T / (ms / 1e3)
+    flops = flops_per_token(config, T)
+    peak = peak_for(torch.cuda.get_device_name(device))
+    result = {"script": "plain_pytorch", "model": args.model, "gpus": world,
+              "strategy": args.strategy if world > 1 else "single", "batch_size": args.batch_size,
+              "seq_len": T, "ms_per_step": round(ms, 2), "tok_s_per_gpu": round(tok_s),
+              "mfu_pct": round(100 * mfu(tok_s, flops, peak.bf16), 1) if peak else None,
+              "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+              "loss": round(loss.item(), 3), "device": torch.cuda.get_device_name(device)}
+    if local == 0:
+        print(json.dumps(result), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

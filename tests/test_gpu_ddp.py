@@ -1,0 +1,57 @@
+"""GPU tests on two GPUs: FP8 under DDP on the fast path (compiled regions, a CUDA graph per
+block with DDP's all-reduce between the replays) trains as one GPU reading the same samples,
+and StepProfile splits the step under the real strategy.
+
+`python -m pytest -m gpu tests/test_gpu_ddp.py -s` on a machine with two GPUs (they skip with
+fewer, or without CUDA/TE).
+"""
+
+import re
+
+import pytest
+import torch
+
+from fp8_lightning.te_support import te_status
+from tests._runs import run_cli
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                                 or not te_status()[0], reason="needs two GPUs and TE")]
+
+LOSS = re.compile(r"^step (\d+) \| loss ([\d.]+)", re.M)
+# GPT-2 shape cut to 4 blocks, FP8 delayed, 8 x 1024 per rank, on the embedded corpus
+ARGS = ["--config", "configs/gpt2_fp8.yaml", "--model.config.n_layer", "4", "--data.batch_size", "8",
+        "--trainer.max_steps", "30", "--trainer.log_every_n_steps", "10",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "10",
+        "--trainer.callbacks", "[{class_path: fp8_lightning.NaNGuard}, {class_path: "
+        "fp8_lightning.TrainingMonitor, init_args: {sample_prompt: null}}]"]
+
+
+def fit(root, *args):
+    result = run_cli("fit", *ARGS, "--trainer.default_root_dir", str(root), *args, timeout=900)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    return out, {int(s): float(v) for s, v in LOSS.findall(out)}
+
+
+def test_ddp_fp8_replays_a_graph_per_block_and_trains_as_one_gpu(tmp_path):
+    ddp, ddp_losses = fit(tmp_path / "ddp", "--config", "configs/ddp.yaml", "--trainer.devices", "2",
+                          "--trainer.callbacks+=fp8_lightning.StepProfile",
+                          "--trainer.callbacks.start_step", "12", "--trainer.callbacks.steps", "3")
+    assert "compile: the regions between TE modules" in ddp
+    assert "CUDA graphs: on" in ddp and "4 blocks captured as a graph each" in ddp
+    assert "FP8 verified" in ddp
+    # the profile: a row per rank whose parts add up to the step
+    rows = re.findall(r"^([01]) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", ddp, re.M)
+    assert sorted(r[0] for r in rows) == ["0", "1"]
+    for _, step, compute, exposed, idle in rows:
+        assert abs(float(compute) + float(exposed) + float(idle) - float(step)) < 0.01 * float(step)
+        assert float(compute) > 0
+    # the reference: one GPU reading, at every step, the samples of both ranks
+    one, one_losses = fit(tmp_path / "one", "--trainer.devices", "1", "--data.emulate_ranks", "2",
+                          "--trainer.accumulate_grad_batches", "2")
+    assert sorted(ddp_losses) == sorted(one_losses) == [10, 20, 30]
+    worst = max(abs(ddp_losses[s] - one_losses[s]) / one_losses[s] for s in one_losses)
+    print(f"\n[DDP 2 GPUs vs 1 GPU] mean losses {ddp_losses} vs {one_losses}, worst gap {worst:.4f}")
+    assert ddp_losses[30] < ddp_losses[10] - 0.5 and worst < 0.03
