@@ -1,5 +1,6 @@
-"""Every command in README.md is exercised: by a test named in ``COVERAGE``, by CI itself, or on
-the GPU machine. Commands run here: every ``fit`` command parses, every other command's flags
+"""Every command in README.md and the user guides (docs/*.md but the results and the
+architecture) is exercised: by a test named in ``COVERAGE``, by CI itself, or on the GPU machine;
+every link between them resolves. Commands run here: every ``fit`` command parses, every other command's flags
 exist, the migration table's overrides parse to what they say, the CPU FP8-vs-BF16 comparison and
 the doctor run as written."""
 
@@ -18,7 +19,11 @@ from fp8_lightning.te_support import fallback_precision, te_status
 from tests._runs import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# The README and the user guides it links, read as one text
+NOT_GUIDES = {"benchmarks.md", "convergence.md", "architecture.md"}
+USER_DOCS = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md"))
+                                   if p.name not in NOT_GUIDES)]
+README = "\n".join(p.read_text() for p in USER_DOCS)
 CI = "ci"  # run by .ci/run (install + the whole suite)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 GPU = "gpu"  # run by hand on the GPU machine (the lead's device runs)
@@ -185,6 +190,41 @@ def test_every_readme_command_is_covered():
     stale = [c for c in COVERAGE if c not in commands]
     assert not missing, "README commands without a test (add them to COVERAGE):\n" + "\n".join(missing)
     assert not stale, "COVERAGE lists commands the README no longer has:\n" + "\n".join(stale)
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in path.read_text().splitlines() if line.startswith("#")}
+
+
+def test_links_between_the_docs_resolve():
+    """Each relative link of the README and docs/ names a file that exists and, with a
+    ``#anchor``, a heading of that file."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = doc.parent / path if path else doc
+            if not file.exists() or (anchor and file.suffix == ".md"
+                                     and anchor not in heading_anchors(file)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert len(USER_DOCS) > 5 and not broken, broken
+
+
+def test_the_readme_is_a_short_guide():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_user_docs_hold_results_not_history():
+    """No commit hashes or work-session numbers in the README and the guides: history is git's."""
+    for doc in USER_DOCS:
+        text = doc.read_text()
+        assert not re.findall(r"`[0-9a-f]{7,40}`", text), doc.name
+        assert not re.findall(r"\b[Ss]essions? \d+", text), doc.name
 
 
 def test_coverage_names_tests_that_exist():
