@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from .callbacks.checkpoint import Checkpoint
@@ -151,7 +152,9 @@ class FP8LightningCLI(LightningCLI):
             # no last checkpoint, and never knows a best one in a new process.
             ckpt_path = config["ckpt_path"] = find_checkpoint(ckpt_path, directory)
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
-            recorded_config(load_checkpoint_file(ckpt_path, mmap=True), ckpt_path)
+            checkpoint = load_checkpoint_file(ckpt_path, mmap=True)
+            recorded_config(checkpoint, ckpt_path)
+            self.resumed_step = checkpoint.get("global_step")
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -178,7 +181,17 @@ class FP8LightningCLI(LightningCLI):
                         raise ConfigError([f"trainer.{key}: {name}: {err}"]) from None
         check_trainer_arguments(trainer)
 
+    resumed_step: Optional[int] = None  # the global step of the checkpoint fit resumes from
+
     def before_fit(self) -> None:
+        # A run resumed at (or past) its max_steps trains nothing, which Lightning does silently.
+        max_steps = self.trainer.max_steps
+        if self.resumed_step is not None and 0 <= max_steps <= self.resumed_step:
+            rank_zero_warn(f"the checkpoint is at step {self.resumed_step} and trainer.max_steps="
+                           f"{max_steps}: nothing left to train. To continue, raise it, e.g. "
+                           f"--trainer.max_steps {self.resumed_step + max(max_steps, 1)} "
+                           "(the learning-rate schedule follows max_steps unless "
+                           "model.lr_decay_steps is set)")
         # The embedded corpus is prepared with data.tokenizer on first use (a minute on a small
         # CPU): a tokenizer that does not fit model.init_from's weights is said before that, not
         # in the module's setup after it. (A prepared dataset's tokenizer is checked at setup.)

@@ -93,3 +93,19 @@ def test_readme_commands_match_ci():
     test_cmd = next(line for line in ci.splitlines() if "pytest" in line).strip()
     assert test_cmd in readme
     assert "python -m fp8_lightning fit --config configs/quickstart.yaml" in readme
+
+
+def test_resuming_a_finished_run_says_how_to_continue(quickstart_run, small_vocab):
+    """`--ckpt_path last` on a run already at trainer.max_steps trains nothing (Lightning says
+    nothing): one warning names the step and the override that continues it; the checkpoint
+    stays as it was."""
+    out, _ = quickstart_run
+    (ckpt,) = out.rglob("last.ckpt")
+    before = ckpt.stat().st_mtime_ns
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab,
+                     "--trainer.max_steps", "30", "--trainer.default_root_dir", str(out),
+                     "--ckpt_path", "last")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("the checkpoint is at step 30 and trainer.max_steps=30: nothing left to train. "
+            "To continue, raise it, e.g. --trainer.max_steps 60") in result.stderr
+    assert ckpt.stat().st_mtime_ns == before

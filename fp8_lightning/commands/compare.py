@@ -34,7 +34,7 @@ from typing import Optional
 from ..config import ConfigError
 from ..logs import (FP8_ACTIVE, PAUSED, PRECISION_TEXT, TEXT_FILE, TOKENS_PER_SEC, TOKENS_SEEN,
                    TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS)
-from ..plots import pyplot
+from ..plots import MissingExtraError, pyplot
 
 Series = list[tuple[int, float]]  # (step, value)
 EVENTS = "events.out.tfevents.*"
@@ -427,6 +427,10 @@ def compare(run_dirs: list[str], output: str = "compare.png",
     rows = summary(runs)
     print(format_table(rows))
     print(legend(runs))
-    path = plot(runs, output)  # after the table: without matplotlib the numbers still show
+    try:  # after the table: without matplotlib the numbers still show, and the run succeeds
+        path = plot(runs, output)
+    except MissingExtraError as err:
+        print(f"note: no plot: {err}")
+        return rows, None
     print(f"plot: {path}")
     return rows, path

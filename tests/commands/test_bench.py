@@ -121,3 +121,21 @@ def test_a_long_variant_name_keeps_its_column(tmp_path):
                    seq_len=32, n_layer=1, output_dir=str(tmp_path))
     rows = [line.split() for line in format_table(report).splitlines()[2:4]]
     assert [row[0] for row in rows] == ["torch-eager", name] and rows[1][1] == "BF16"
+
+
+def test_without_matplotlib_bench_prints_its_table_with_a_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    report = bench(QUICKSTART, variants="torch-eager", steps=1, warmup=1, batch_size=1,
+                   seq_len=32, n_layer=1, output_dir=str(tmp_path))
+    out = capsys.readouterr().out
+    assert report["results"][0]["status"] == "ran" and "torch-eager" in out
+    assert 'note: no plot: bench\'s plot (bench.png) needs matplotlib: pip install "fp8-lightning[plots]"' in out
+    assert out.strip().splitlines()[-1] == f"wrote {tmp_path / 'bench.json'}"
+    assert (tmp_path / "bench.json").exists() and not (tmp_path / "bench.png").exists()
+
+
+def test_bench_writes_under_runs_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bench(QUICKSTART, variants="torch-eager", steps=1, warmup=1, batch_size=1, seq_len=32, n_layer=1)
+    assert (tmp_path / "runs" / "bench" / "bench.json").exists()
+    assert not (tmp_path / "bench_out").exists()
