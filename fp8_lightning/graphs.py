@@ -11,10 +11,10 @@ What stays outside the graphs: the embedding, the final norm, the LM head and th
 compiled loss is one call), the optimizer, and under DDP the gradient all-reduce: each block is
 its own graph there, so a block's gradients reach DDP's buckets as soon as its backward replay
 ends and their all-reduce overlaps the next block's backward (PyTorch's partial-network capture
-with DDP: the collectives stay outside the captured sections). The blocks' graphs are captured lazily at the first
-training step (they need its micro-batch shape) and are used only while the model trains with
-the FP8 state they were captured with; otherwise (validation, a BF16 fallback, another shape)
-the blocks run eagerly.
+with DDP: the collectives stay outside the captured sections). The blocks' graphs are captured
+lazily at the first training step (they need its micro-batch shape) and are used only while the
+model trains with the FP8 state they were captured with; otherwise (validation, a BF16
+fallback, another shape) the blocks run eagerly.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from ..config import ConfigError
 from ..logs import log_metrics
 
 FIELDS = ("step_ms", "compute_ms", "exposed_comm_ms", "gpu_idle_ms", "comm_ms", "host_wait_ms")
@@ -94,10 +95,9 @@ class StepProfile(Callback):
             Perfetto or ``chrome://tracing``).
     """
 
-    def __init__(self, start_step: int = 20, steps: int = 5, trace_dir: Optional[str] = None) -> None:
+    def __init__(self, start_step: int = 20, steps: int = 5,
+                 trace_dir: Optional[str] = None) -> None:
         if start_step < 0 or steps < 1:
-            from ..config import ConfigError
-
             raise ConfigError([f"StepProfile(start_step={start_step}, steps={steps}): start_step "
                                ">= 0 and steps >= 1"], "trainer.callbacks")
         self.start_step, self.steps, self.trace_dir = start_step, steps, trace_dir
@@ -148,8 +148,9 @@ class StepProfile(Callback):
                     waits += (event.time_range.end - event.time_range.start) / 1e3
             split = split_step(kernels, wall_ms, steps, waits)
             if self.trace_dir:
-                Path(self.trace_dir).mkdir(parents=True, exist_ok=True)
-                profiler.export_chrome_trace(str(Path(self.trace_dir) / f"rank{trainer.global_rank}.json"))
+                traces = Path(self.trace_dir)
+                traces.mkdir(parents=True, exist_ok=True)
+                profiler.export_chrome_trace(str(traces / f"rank{trainer.global_rank}.json"))
         else:
             split = {name: None for name in FIELDS} | {"step_ms": wall_ms / steps}
         values = torch.tensor([float("nan") if split[n] is None else split[n] for n in FIELDS],

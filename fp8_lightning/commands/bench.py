@@ -53,8 +53,8 @@ from ..config import ConfigError
 from ..flops import flops_per_token
 from ..measure import DEFAULT_VARIANTS, environment, measure, method, parse_variant, skip_reason
 from ..module import GPTLightningModule
-from ..te_support import cpu_has_native_bf16, te_status
 from ..plots import MissingExtraError
+from ..te_support import cpu_has_native_bf16, te_status
 from .run_config import check_fp8_plugin, fp8_plugin_args, load_run_config, positive_int_problems
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,8 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         seq_len: tokens per sequence (default: the model's ``block_size``).
         n_layer: cut the model to this many blocks (to fit big models on one GPU).
         baseline: the variant speedups are relative to (default: the first that ran).
-        output_dir: where ``bench.json`` and ``bench.png`` go (under ``runs/``, which git ignores).
+        output_dir: where ``bench.json`` and ``bench.png`` go (under ``runs/``, which git
+            ignores).
         seed: seed for the weights and the synthetic tokens.
         profile: also profile 3 steps of each variant on the GPU and print the kernel time per
             step by category (GEMM, attention, FP8 cast/transpose/amax, loss, optimizer, other).
