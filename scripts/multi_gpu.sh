@@ -40,7 +40,8 @@
 # model.compile's default), PROFILE_AT (default 50); for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
-# /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s).
+# /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
+# appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
 set -u
 cd "$(dirname "$0")/.."
@@ -88,6 +89,11 @@ trainer:
         sample_prompt: null
 YAML
 
+keep() {  # keep FILE...: append files of OUT to ARCHIVE, when set
+    [ -n "${ARCHIVE:-}" ] && tar -rf "$ARCHIVE" -C "$OUT" "$@"
+    return 0
+}
+
 fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
     local name=$1 devices=$2 strategy=$3 start=$SECONDS
     shift 3
@@ -100,6 +106,7 @@ fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
         --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@" \
         >> "$OUT/$name.log" 2>&1
     echo "=== $name: exit $? after $((SECONDS - start)) s"
+    keep "$name.log"
     grep -E "Error|error:" "$OUT/$name.log" | head -3
 }
 
@@ -120,12 +127,14 @@ plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP a
     echo "=== plain-$model-1gpu"
     CUDA_VISIBLE_DEVICES=0 timeout "${FIT_TIMEOUT:-420}" $PYTHON benchmarks/plain_pytorch.py "${args[@]}" \
         > "$OUT/plain-$model-1gpu.log" 2>&1
+    keep "plain-$model-1gpu.log"
     for n in $GPUS; do
         [ "$n" -le "$NGPU" ] || continue
         for s in $STRATEGIES; do
             echo "=== plain-$model-$s-${n}gpu"
             timeout "${FIT_TIMEOUT:-420}" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
                 benchmarks/plain_pytorch.py "${args[@]}" --strategy $s > "$OUT/plain-$model-$s-${n}gpu.log" 2>&1
+            keep "plain-$model-$s-${n}gpu.log"
         done
     done
     tail -qn1 "$OUT"/plain-"$model"-*.log
@@ -306,6 +315,7 @@ for j in "$@"; do
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
 $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
+keep summary.txt
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
     (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* loss-* t8-* e8-* r8-* s8-* tp8-*)

@@ -214,3 +214,33 @@ class StepTimer(Callback):
     def on_train_end(self, trainer, module):
         torch.cuda.synchronize()
         self.ms = 1000 * (time.perf_counter() - self.t0) / (trainer.global_step - self.start)
+
+
+class StrategySettings(Callback):
+    """Writes ``rank<N>.json`` into ``path`` at train start: what the strategy applied to the
+    model (DDP: the wrapper's bucket settings; FSDP2: each block's resharding and gather dtype)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = trainer.strategy.model
+        if isinstance(wrapped, DistributedDataParallel):
+            settings = {"strategy": "ddp",
+                        "gradient_as_bucket_view": wrapped.gradient_as_bucket_view,
+                        "bucket_cap_mb": wrapped.bucket_bytes_cap / 2**20,
+                        "find_unused_parameters": wrapped.find_unused_parameters}
+        else:
+            def fsdp(module):  # FSDP2's own record of how it shards the module (private API)
+                group = module._get_fsdp_state()._fsdp_param_group
+                return {"reshard_after_forward": group.post_forward_mesh_info is not None,
+                        "param_dtype": str(group.mp_policy.param_dtype)}
+
+            gpt = pl_module.model
+            settings = {"strategy": "fsdp2", "blocks": [fsdp(b) for b in gpt.blocks],
+                        "root": fsdp(gpt)}
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(settings, f)

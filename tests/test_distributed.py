@@ -47,7 +47,9 @@ def ddp_runs(tmp_path_factory, small_vocab):
                 "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
     second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
                  "--trainer.callbacks+=tests.helpers.RankDigest",
-                 "--trainer.callbacks.path", str(root / "digest2"), config="configs/ddp.yaml")
+                 "--trainer.callbacks.path", str(root / "digest2"),
+                 "--trainer.callbacks+=tests.helpers.StrategySettings",
+                 "--trainer.callbacks.path", str(root / "settings"), config="configs/ddp.yaml")
     return root, first, second
 
 
@@ -82,8 +84,39 @@ def fsdp_runs(tmp_path_factory, small_vocab):
     for name in (".metadata", "meta.pt"):  # the step-6 checkpoint's index, for the checks below
         (root / "after6" / name).write_bytes((root / "checkpoints/last.ckpt" / name).read_bytes())
     second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
-                 config="configs/fsdp.yaml")
+                 "--trainer.callbacks+=tests.helpers.StrategySettings",
+                 "--trainer.callbacks.path", str(root / "settings"), config="configs/fsdp.yaml")
     return root, first, second
+
+
+def settings(root):
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted((root / "settings").glob("rank*.json"))]
+
+
+def test_ddp_applies_the_overlays_bucket_settings_on_every_rank(ddp_runs):
+    """configs/ddp.yaml: gradients live in the all-reduce buckets (no copy), PyTorch's default
+    25 MiB buckets, no search for unused parameters (every parameter gets a gradient)."""
+    root, _, _ = ddp_runs
+    ranks = settings(root)
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    assert ranks[0] == {"strategy": "ddp", "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0,
+                        "find_unused_parameters": False}
+
+
+def test_fsdp2_reshards_blocks_after_forward_keeps_the_root_and_gathers_bf16(fsdp_runs):
+    """configs/fsdp.yaml on every rank: each block's weights freed after its forward and gathered
+    again in backward (reshard_after_forward: true), the root's kept for the backward, BF16
+    gathers where the run's weights are bf16-mixed (fp32 on this CPU: the policy follows the
+    precision that runs)."""
+    root, _, _ = fsdp_runs
+    ranks = settings(root)
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    blocks, root_unit = ranks[0]["blocks"], ranks[0]["root"]
+    assert ranks[0]["strategy"] == "fsdp2" and len(blocks) == 2
+    assert all(b["reshard_after_forward"] for b in blocks) and not root_unit["reshard_after_forward"]
+    assert len({b["param_dtype"] for b in blocks + [root_unit]}) == 1
 
 
 def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
