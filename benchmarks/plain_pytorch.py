@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                         help="with several processes (torchrun)")
     args = parser.parse_args()
+    if args.batch_size < 1 or args.warmup < 0 or args.steps < args.warmup + 20:
+        parser.error("--batch_size >= 1, --warmup >= 0 and --steps >= warmup + 20 (two timed "
+                     "windows of 10 steps)")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -53,8 +56,6 @@ def main() -> None:
     T = args.seq_len or config.block_size
     with device:
         model = GPT(config, backend="torch")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n.split(".")[0] not in ("wte", "wpe")]
-    rest = [p for p in model.parameters() if not any(p is d for d in decay)]
     if world > 1 and args.strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -62,8 +63,6 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n.split(".")[0] not in ("wte", "wpe")]
-        rest = [p for p in model.parameters() if not any(p is d for d in decay)]
         step_model = torch.compile(model)
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -72,12 +71,18 @@ def main() -> None:
                                                            gradient_as_bucket_view=True))
     else:
         step_model = torch.compile(model)
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": rest, "weight_decay": 0.0}],
+    # As GPTLightningModule.configure_optimizers: weight decay on matrices, not on embeddings,
+    # norms or biases (the parameters as the strategy left them: FSDP2's are DTensor shards).
+    groups = {True: [], False: []}
+    for name, p in model.named_parameters():
+        groups[p.ndim >= 2 and name.split(".")[0] not in ("wte", "wpe")].append(p)
+    optimizer = torch.optim.AdamW([{"params": groups[True], "weight_decay": 0.1},
+                                   {"params": groups[False], "weight_decay": 0.0}],
                                   lr=6e-4, betas=(0.9, 0.95), fused=True)
     batches = torch.randint(0, config.vocab_size, (4, args.batch_size, T + 1), device=device)
 
-    windows, start, end = [], torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    windows = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for step in range(args.steps):
         if step >= args.warmup and (step - args.warmup) % 10 == 0:
             if step > args.warmup:

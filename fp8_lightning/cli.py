@@ -126,6 +126,8 @@ class ArgumentParser(LightningArgumentParser):
 class FP8LightningCLI(LightningCLI):
     """LightningCLI for a ``GPTLightningModule`` on a ``TokenShardDataModule``."""
 
+    resumed_step: Optional[int] = None  # the global step of the checkpoint fit resumes from
+
     def add_arguments_to_parser(self, parser) -> None:
         # The data's sequence length is the model's block size: one number, set once.
         parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
@@ -180,8 +182,6 @@ class FP8LightningCLI(LightningCLI):
                             raise
                         raise ConfigError([f"trainer.{key}: {name}: {err}"]) from None
         check_trainer_arguments(trainer)
-
-    resumed_step: Optional[int] = None  # the global step of the checkpoint fit resumes from
 
     def before_fit(self) -> None:
         # A run resumed at (or past) its max_steps trains nothing, which Lightning does silently.

@@ -300,7 +300,8 @@ class GPTLightningModule(L.LightningModule):
         ok, reason = compile_status(device)
         if wanted is None:
             if ok and device != "cuda":
-                reason = "compilation costs a short CPU run more than it saves; model.compile: true to compile"
+                reason = ("compilation costs a short CPU run more than it saves; "
+                          "model.compile: true to compile")
             return ok and device == "cuda", reason
         if wanted and not ok:
             return False, f"model.compile=true but {reason}; training eagerly"

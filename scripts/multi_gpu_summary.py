@@ -6,6 +6,7 @@ table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-`
 Usage: ``python scripts/multi_gpu_summary.py OUT_DIR``
 """
 
+import json
 import re
 import statistics
 import sys
@@ -127,8 +128,6 @@ PROFILE_ROW = re.compile(r"^(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.
 
 def plain(log: Path) -> Optional[dict]:
     """benchmarks/plain_pytorch.py's JSON line."""
-    import json
-
     for line in reversed(log.read_text(errors="replace").splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -146,7 +145,8 @@ def main(out: Path) -> None:
     print(f"device: {(out / 'gpu.txt').read_text().strip() if (out / 'gpu.txt').exists() else '?'}; "
           f"commit {(out / 'commit.txt').read_text().strip()[:7] if (out / 'commit.txt').exists() else '?'}")
     for model in ("gpt2", "gpt-1.3b"):
-        runs = {p.stem.removeprefix(f"tp-{model}-"): read(p) for p in out.glob(f"tp-{model}-*gpu.log")}
+        runs = {p.stem.removeprefix(f"tp-{model}-"): read(p)
+                for p in out.glob(f"tp-{model}-*gpu.log")}
         scripts = {p.stem.removeprefix(f"plain-{model}-"): plain(p)
                    for p in out.glob(f"plain-{model}-*gpu.log")}
         if not runs and not scripts:
@@ -168,10 +168,15 @@ def main(out: Path) -> None:
         one = {split[name][0]: per_gpu for name, per_gpu, _ in rows if split[name][1] == "1gpu"}
         for name, per_gpu, mfu in sorted(rows, key=lambda x: (split[x[0]][0], split[x[0]][1])):
             variant, layout = split[name]
-            scaling = f"{per_gpu / one[variant]:.2f}" if layout != "1gpu" and one.get(variant) else "-"
+            scaling = (f"{per_gpu / one[variant]:.2f}" if layout != "1gpu" and one.get(variant)
+                       else "-")
             versus = f"{per_gpu / bf16[layout]:.2f}x" if bf16.get(layout) else "-"
             print(f"  {variant:<16} {layout:<10} {per_gpu:>10,.0f} per GPU  scaling {scaling:>5}  "
                   f"vs BF16 {versus:>6}  mfu {mfu}")
+        failed = sorted([f"tp-{k}" for k, r in runs.items() if not r["tok_s"]]
+                        + [f"plain-{k}" for k, v in scripts.items() if not v])
+        for name in failed:
+            print(f"  {name}: no step lines (see its log)")
         for name, r in sorted(runs.items()):
             for row in profile_rows(r["text"]):
                 print(f"      profile {name}: {row}")

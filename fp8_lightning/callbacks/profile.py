@@ -104,7 +104,6 @@ class StepProfile(Callback):
         self.result: Optional[list[dict[str, Optional[float]]]] = None  # per rank, once done
         self._profiler: Any = None
         self._t0 = 0.0
-        self._first = 0
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
@@ -112,16 +111,15 @@ class StepProfile(Callback):
         step = trainer.global_step
         if self._profiler is None and self.result is None and step == self.start_step:
             self._start(pl_module.device)
-        elif self._profiler is not None and step >= self._first + self.steps:
-            self._finish(trainer, pl_module, step - self._first)
+        elif self._profiler is not None and step >= self.start_step + self.steps:
+            self._finish(trainer, pl_module, step - self.start_step)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._profiler is not None:  # the run ended inside the window
-            self._finish(trainer, pl_module, trainer.global_step - self._first)
+            self._finish(trainer, pl_module, trainer.global_step - self.start_step)
 
     def _start(self, device: torch.device) -> None:
-        self._first = self.start_step
         self._profiler = False  # on a CPU: the step time alone
         if device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
@@ -159,11 +157,11 @@ class StepProfile(Callback):
         gathered = gathered.reshape(-1, len(FIELDS)).cpu().tolist()
         self.result = [{n: (None if v != v else v) for n, v in zip(FIELDS, row)}
                        for row in gathered]
-        rank_zero_info(format_split(self.result, self._first, steps))
+        rank_zero_info(format_split(self.result, self.start_step, steps))
         own = self.result[0]
         log_metrics(trainer, {f"profile/{n}": v for n, v in own.items() if v is not None})
         log_dir = trainer.log_dir if trainer.loggers else None  # no logger: no file in the cwd
         if trainer.is_global_zero and log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / "step_profile.json").write_text(json.dumps(
-                {"first_step": self._first, "steps": steps, "ranks": self.result}, indent=1) + "\n")
+            record = {"first_step": self.start_step, "steps": steps, "ranks": self.result}
+            (Path(log_dir) / "step_profile.json").write_text(json.dumps(record, indent=1) + "\n")
