@@ -38,8 +38,10 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=None, help="default: the block size")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="with several processes (torchrun)")
+    parser.add_argument("--strategy", choices=("ddp", "ddp-bf16grad", "fsdp", "fsdp-keep"),
+                        default="ddp", help="with several processes (torchrun); ddp-bf16grad: "
+                        "gradients all-reduced in BF16; fsdp-keep: blocks not resharded after "
+                        "forward")
     args = parser.parse_args()
     if args.batch_size < 1 or args.warmup < 0 or args.steps < args.warmup + 20:
         parser.error("--batch_size >= 1, --warmup >= 0 and --steps >= warmup + 20 (two timed "
@@ -56,19 +58,24 @@ def main() -> None:
     T = args.seq_len or config.block_size
     with device:
         model = GPT(config, backend="torch")
-    if world > 1 and args.strategy == "fsdp":
+    if world > 1 and args.strategy.startswith("fsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
+            fully_shard(block, mp_policy=policy,
+                        reshard_after_forward=args.strategy != "fsdp-keep")
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
         step_model = torch.compile(model)
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        step_model = torch.compile(DistributedDataParallel(model, device_ids=[local],
-                                                           gradient_as_bucket_view=True))
+        ddp = DistributedDataParallel(model, device_ids=[local], gradient_as_bucket_view=True)
+        if args.strategy == "ddp-bf16grad":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        step_model = torch.compile(ddp)
     else:
         step_model = torch.compile(model)
     # As GPTLightningModule.configure_optimizers: weight decay on matrices, not on embeddings,

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+import time
 import typing
 from functools import partial
 from typing import Any, Callable, Optional, Union
@@ -37,6 +38,7 @@ from .config import ConfigError, UsageError
 from .data.prepare import prepare
 from .data.streaming import TokenShardDataModule
 from .fp8 import REMOVED_KEYS, FP8UnavailableError
+from .logs import TRAIN_LOSS, VAL_LOSS
 from .module import GPTLightningModule
 
 log = logging.getLogger("fp8_lightning")
@@ -201,6 +203,34 @@ class FP8LightningCLI(LightningCLI):
             problem = model.tokenizer_problem(data.tokenizer)
             if problem:
                 raise ConfigError([problem], "model/data")
+        self._fit_start = time.perf_counter()
+
+    def after_fit(self) -> None:
+        """The run's closing lines: what it did, where its checkpoints are, what to run next."""
+        trainer, model = self.trainer, self.model
+        if not trainer.is_global_zero or trainer.interrupted:
+            return
+        seconds = time.perf_counter() - getattr(self, "_fit_start", time.perf_counter())
+        took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+        metrics = trainer.callback_metrics
+        losses = [f"{name} {float(metrics[key]):.4f}" for name, key in
+                  (("train loss", TRAIN_LOSS), ("val loss", VAL_LOSS)) if key in metrics]
+        tokens = getattr(model, "tokens_seen", 0)
+        lines = [f"done: {trainer.global_step} steps, {tokens:,} tokens in {took}"
+                 + (f"; {', '.join(losses)}" if losses else "")]
+        callback = next((c for c in trainer.callbacks if isinstance(c, Checkpoint)), None)
+        last = os.path.join(callback.dirpath, "last.ckpt") if callback and callback.dirpath else None
+        if last and os.path.exists(last):
+            lines.append(f"checkpoints: {callback.dirpath}")
+            if os.path.isdir(last):  # sharded (FSDP2): one file first
+                lines.append(f"sample: python -m fp8_lightning consolidate {last} model.ckpt && "
+                             "python -m fp8_lightning generate --ckpt model.ckpt --prompt \"...\"")
+            else:
+                lines.append(f"sample: python -m fp8_lightning generate --ckpt {last} "
+                             "--prompt \"...\"")
+            lines.append("continue: the same command with --ckpt_path last --trainer.max_steps "
+                         f"{2 * max(trainer.global_step, 1)}")
+        print("\n".join(lines), flush=True)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:

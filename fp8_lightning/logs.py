@@ -138,3 +138,8 @@ def console_print(trainer: "L.Trainer", line: str) -> None:
     else:
         bar.print(line)
     sys.stdout.flush()
+
+
+def short_tag(tag: str) -> str:
+    """A precision tag for a log line: ``BF16 (fallback: <reason>)`` -> ``BF16 (fallback)``."""
+    return tag.split(" (fallback")[0] + " (fallback)" if "(fallback" in tag else tag

@@ -12,7 +12,6 @@ modules (head split, QK-norm, RoPE, SDPA, the loss), leaving TE's modules to TE.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -61,10 +60,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layers: LayerFactory, recompute_mlp: bool = False
-                 ) -> None:
+    """One transformer block.
+
+    Args:
+        recompute: full activation checkpointing: keep only the block's input and recompute its
+            forward in the backward.
+        recompute_mlp: selective: only the MLP's norm, fc1 output and activation recompute.
+    """
+
+    def __init__(self, config: GPTConfig, layers: LayerFactory, recompute: bool = False,
+                 recompute_mlp: bool = False) -> None:
         super().__init__()
         c = config
+        self.recompute, self.backend = recompute, layers.backend
         self.n_head, self.n_kv_heads, self.head_dim = c.n_head, c.n_kv_heads, c.head_dim
         init, out_init = normal_init(0.02), normal_init(residual_std(c.n_layer))
         self.qkv = layers.norm_linear(c.n_embd, c.qkv_width, bias=c.bias, norm=c.norm,
@@ -101,31 +109,28 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
         """The residual stream (B, T, C) through attention and MLP; ``rope``: cos, sin or
         nothing. (Tensors only, no ``None``: what CUDA graph capture takes.)"""
+        # The checkpoint sits inside the block's own forward, so that FSDP2's hooks on the block
+        # (gather, input cast to the gathered dtype) stay outside the recomputed region, as
+        # torchtitan wraps before fully_shard: PyTorch < 2.13 skips that cast when it recomputes
+        # a checkpointed FSDP2 module, so recompute ran in fp32 (pytorch/pytorch#159359).
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.backend, self.residual, x, *rope)
+        return self.residual(x, *rope)
+
+    def residual(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        """The block's forward without checkpointing: (B, T, C) -> (B, T, C)."""
         x = x + self.proj(self.attend(self.qkv(x), *rope))
         return x + self.mlp(x)
 
 
 class Blocks(nn.ModuleList):
     """The transformer blocks, run in order: one module, so that one CUDA graph can replay the
-    whole stack (:mod:`fp8_lightning.graphs`). Parameter names stay ``blocks.<i>.*``.
-
-    Args:
-        checkpointed: the blocks whose whole forward is recomputed in the backward (with the
-            ``"mlp"`` mode the chosen blocks' MLPs recompute themselves instead).
-    """
-
-    def __init__(self, blocks: Iterable[nn.Module], checkpointed: Iterable[int] = (),
-                 backend: str = "torch") -> None:
-        super().__init__(blocks)
-        self.checkpointed, self.backend = set(checkpointed), backend
+    whole stack (:mod:`fp8_lightning.graphs`). Parameter names stay ``blocks.<i>.*``."""
 
     def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
         """The residual stream (B, T, C) through every block; ``rope``: cos, sin or nothing."""
-        for i, block in enumerate(self):
-            if i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(self.backend, block, x, *rope)
-            else:
-                x = block(x, *rope)
+        for block in self:
+            x = block(x, *rope)
         return x
 
 
@@ -167,11 +172,11 @@ class GPT(nn.Module):
             cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        # The chosen blocks: with "full" their whole forward is recomputed in the backward (Blocks),
-        # with "mlp" their MLPs recompute themselves (Block).
-        self.blocks = Blocks((Block(c, layers, mode == "mlp" and i in chosen)
-                              for i in range(c.n_layer)),
-                             checkpointed=chosen if mode == "full" else (), backend=backend)
+        # The chosen blocks: with "full" their whole forward is recomputed in the backward, with
+        # "mlp" their MLPs recompute themselves.
+        self.blocks = Blocks(Block(c, layers, recompute=mode == "full" and i in chosen,
+                                   recompute_mlp=mode == "mlp" and i in chosen)
+                             for i in range(c.n_layer))
         self.norm_f = layers.norm(c.n_embd, kind=c.norm, eps=c.norm_eps)
         self.lm_head = layers.linear(c.n_embd, c.padded_vocab_size, bias=False,
                                      init_method=normal_init(0.02))
@@ -183,7 +188,7 @@ class GPT(nn.Module):
     @property
     def checkpointed(self) -> set[int]:
         """The blocks whose whole forward is recomputed in the backward (``"full"``)."""
-        return self.blocks.checkpointed
+        return {i for i, block in enumerate(self.blocks) if block.recompute}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -36,8 +36,10 @@
 #                  VARIANTS8B_TP) on each of GPUS8B (default 2 4), 1 x 8192 per GPU, STEPS8B steps;
 #                  scaling against the fewest GPUs run
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 120), PRECISIONS
-# (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"), COMPILE (unset:
-# model.compile's default), PROFILE_AT (default 50); for the
+# (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"; also ddp-bf16grad:
+# gradients all-reduced in BF16, fsdp-keep: no reshard after forward), COMPILE (unset:
+# model.compile's default), PROFILE_AT (default 50), SINGLE (default 1; 0 skips the one-GPU runs);
+# for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
@@ -55,7 +57,7 @@ GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
 STRATEGIES=${STRATEGIES:-ddp fsdp}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
-. scripts/py_data.sh
+PY_DATA_DEFER=1 . scripts/py_data.sh
 NGPU=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 git rev-parse HEAD 2>/dev/null | tee "$OUT/commit.txt"
@@ -98,6 +100,7 @@ fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
     local name=$1 devices=$2 strategy=$3 start=$SECONDS
     shift 3
     local extra=()
+    pycode_prepare "$DATA" 1024 16 || { echo "=== $name: no data in $DATA"; return 1; }
     [ "$strategy" != none ] && extra=(--config "$strategy")
     echo "=== $name: $devices GPU(s) ${strategy}"
     echo "=== devices: $devices" > "$OUT/$name.log"
@@ -121,13 +124,26 @@ precision_args() {  # precision_args NAME: the config and overrides of a PRECISI
     esac
 }
 
+strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGIES entry
+    case $1 in
+        ddp)          echo "configs/ddp.yaml" ;;
+        fsdp)         echo "configs/fsdp.yaml" ;;
+        ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK" ;;
+        fsdp-keep)    echo "configs/fsdp.yaml --trainer.strategy.init_args.reshard_after_forward false" ;;
+        *) echo "unknown strategy $1" >&2; return 1 ;;
+    esac
+}
+BF16_HOOK=torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook
+
 plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP and FSDP2 on GPUS
     local model=$1 batch=$2 n s
     local args=(--model "$model" --batch_size "$batch" --steps "$STEPS")
-    echo "=== plain-$model-1gpu"
-    CUDA_VISIBLE_DEVICES=0 timeout "${FIT_TIMEOUT:-420}" $PYTHON benchmarks/plain_pytorch.py "${args[@]}" \
-        > "$OUT/plain-$model-1gpu.log" 2>&1
-    keep "plain-$model-1gpu.log"
+    if [ "${SINGLE:-1}" = 1 ]; then
+        echo "=== plain-$model-1gpu"
+        CUDA_VISIBLE_DEVICES=0 timeout "${FIT_TIMEOUT:-420}" $PYTHON benchmarks/plain_pytorch.py "${args[@]}" \
+            > "$OUT/plain-$model-1gpu.log" 2>&1
+        keep "plain-$model-1gpu.log"
+    fi
     for n in $GPUS; do
         [ "$n" -le "$NGPU" ] || continue
         for s in $STRATEGIES; do
@@ -141,7 +157,7 @@ plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP a
 }
 
 throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP and FSDP2 on GPUS
-    local model=$1 batch=$2 prec cfg n s
+    local model=$1 batch=$2 prec cfg n s strat
     # StepProfile splits steps PROFILE_AT.. into GPU compute, exposed communication and GPU idle
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
                 --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10
@@ -150,11 +166,13 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
     [ -n "${COMPILE:-}" ] && args+=(--model.compile "$COMPILE")
     for prec in $PRECISIONS; do
         cfg=($(precision_args "$prec")) || continue
-        CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
+        [ "${SINGLE:-1}" = 1 ] && CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
         for n in $GPUS; do
             [ "$n" -le "$NGPU" ] || continue
             for s in $STRATEGIES; do
-                CONFIG=${cfg[0]} fit "tp-$model-$prec-$s-${n}gpu" "$n" "configs/$s.yaml" "${args[@]}" "${cfg[@]:1}"
+                strat=($(strategy_args "$s")) || continue
+                CONFIG=${cfg[0]} fit "tp-$model-$prec-$s-${n}gpu" "$n" "${strat[0]}" "${args[@]}" \
+                    "${cfg[@]:1}" "${strat[@]:1}"
             done
         done
     done

@@ -122,7 +122,8 @@ def main8b(out: Path) -> None:
                   f"(t8-fp8-delayed) {full['ms']:.0f} ms/step: efficiency {one32 / full['ms']:.3f}")
 
 
-NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)-\d+gpu)$")  # variant, layout
+# variant, layout (1gpu, or strategy-Ngpu: ddp, ddp-bf16grad, fsdp, fsdp-keep)
+NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)(?:-[a-z0-9]+)?-\d+gpu)$")
 PROFILE_ROW = re.compile(r"^(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", re.M)
 
 
@@ -141,6 +142,12 @@ def profile_rows(text: str) -> list[str]:
             f"(comm {m[6]})" for m in PROFILE_ROW.finditer(text[at:at + 2000])] if at >= 0 else []
 
 
+def family(layout: str) -> tuple[str, str]:
+    """``ddp-bf16grad-2gpu`` -> (``ddp``, ``2gpu``): BF16 runs compared across their settings."""
+    parts = layout.split("-")
+    return parts[0], parts[-1]
+
+
 def main(out: Path) -> None:
     print(f"device: {(out / 'gpu.txt').read_text().strip() if (out / 'gpu.txt').exists() else '?'}; "
           f"commit {(out / 'commit.txt').read_text().strip()[:7] if (out / 'commit.txt').exists() else '?'}")
@@ -153,15 +160,17 @@ def main(out: Path) -> None:
             continue
         print(f"\n{model}: tok/s per GPU (median of the monitor's lines after the first two; the "
               "plain script: median of 10-step windows); scaling = per GPU / the same run's 1 GPU; "
-              "vs BF16 = over the faster BF16 (package or plain script) at the same layout")
-        bf16 = {}  # layout -> the faster BF16 tok/s per GPU
+              "vs BF16 = over the fastest BF16 (package or plain script, any setting) of the same strategy "
+              "and GPU count")
+        bf16 = {}  # (strategy, GPUs) -> the fastest BF16 tok/s per GPU of any of its settings
         for layout, r in scripts.items():
             if r:
-                bf16[layout] = r["tok_s_per_gpu"]
+                key = family(layout)
+                bf16[key] = max(bf16.get(key, 0), r["tok_s_per_gpu"])
         for name, r in runs.items():
             if name.startswith("bf16-") and r["tok_s"]:
-                layout = name.removeprefix("bf16-")
-                bf16[layout] = max(bf16.get(layout, 0), r["tok_s"] / r["gpus"])
+                key = family(name.removeprefix("bf16-"))
+                bf16[key] = max(bf16.get(key, 0), r["tok_s"] / r["gpus"])
         rows = [(f"plain-{k}", v["tok_s_per_gpu"], v["mfu_pct"]) for k, v in scripts.items() if v]
         rows += [(k, r["tok_s"] / r["gpus"], r["mfu"]) for k, r in runs.items() if r["tok_s"]]
         split = {name: NAME.match(name).groups() for name, *_ in rows}  # (variant, layout)
@@ -170,7 +179,8 @@ def main(out: Path) -> None:
             variant, layout = split[name]
             scaling = (f"{per_gpu / one[variant]:.2f}" if layout != "1gpu" and one.get(variant)
                        else "-")
-            versus = f"{per_gpu / bf16[layout]:.2f}x" if bf16.get(layout) else "-"
+            best = bf16.get(family(layout))
+            versus = f"{per_gpu / best:.2f}x" if best else "-"
             print(f"  {variant:<16} {layout:<10} {per_gpu:>10,.0f} per GPU  scaling {scaling:>5}  "
                   f"vs BF16 {versus:>6}  mfu {mfu}")
         failed = sorted([f"tp-{k}" for k, r in runs.items() if not r["tok_s"]]

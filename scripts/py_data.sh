@@ -1,7 +1,8 @@
 # Sourced by convergence.sh and multi_gpu.sh: prepare ~100 MB of real Python source from the GPU
 # image's site-packages (16 files, sorted path order) as GPT-2 BPE litdata shards in $DATA, once.
 # pycode_prepare DIR SEQ_LEN WORKERS cuts the same text in other block sizes (multi_gpu.sh's 8B
-# jobs: 8192); it fails if DIR could not be prepared.
+# jobs: 8192); it fails if DIR could not be prepared. With PY_DATA_DEFER set, sourcing only
+# defines it (multi_gpu.sh prepares at its first fit, so its plain jobs start at once).
 DATA=${DATA:-/tmp/pycode-ds}
 pycode_prepare() {
     local dir=$1 seq_len=$2 workers=$3
@@ -15,4 +16,4 @@ pycode_prepare() {
         | grep -v "^INFO litdata" | tail -3
     [ -f "$dir/meta.json" ]
 }
-pycode_prepare "$DATA" 1024 16
+[ -n "${PY_DATA_DEFER:-}" ] || pycode_prepare "$DATA" 1024 16  # deferred: the caller prepares

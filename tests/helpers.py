@@ -33,7 +33,7 @@ LINE = re.compile(
     r"^step (?P<step>\d+) \| loss (?P<loss>\d+\.\d{4}|n/a) \| lr (?P<lr>\d\.\d{2}e[-+]\d{2}|n/a) \| "
     r"norm (?P<norm>\d+\.\d{3}|n/a) \| dt (?P<dt>\d+\.\d)ms \| tok/s (?P<tps>\d{1,3}(?:,\d{3})*) \| "
     r"mfu (?P<mfu>\d+\.\d%|n/a)(?: \| mfu_fp8 (?P<mfu_fp8>\d+\.\d%))? \| "
-    r"(?P<tag>FP8 \w+|(?:BF16|FP32) \(fallback: .+\)|\S+)$")
+    r"(?P<tag>FP8 \w+|(?:BF16|FP32) \(fallback(?:: .+)?\)|\S+)$")
 
 
 VOCAB = 512  # a small vocabulary: GPT-2's 50k would be most of each CPU step (ids < 512 are

@@ -37,6 +37,24 @@ def test_fit_shows_what_ran_and_nothing_else(tmp_path_factory):
     assert "sample (step 10): 'ROMEO:" in out
     # The model summary keeps its parameter counts.
     assert "Trainable params" in err and "GPT" in err
+    # The fallback's reason once (the precision line), a short tag on every step line.
+    reason = re.search(r"^precision: (?:BF16|FP32) \(fallback: (.+)\)$", err, re.M)
+    assert reason and (out + err).count(reason[1]) == 1, err
+    assert re.search(r"^step 10 \| .* \| (BF16|FP32) \(fallback\)$", out, re.M), out
+
+
+def test_fit_ends_with_a_summary_and_the_next_commands(tmp_path_factory):
+    run_dir, result = small_vocab_fit(tmp_path_factory)
+    out = plain(result.stdout)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    done = re.search(r"^done: 10 steps, ([\d,]+) tokens in [\d.]+ (?:s|min); train loss [\d.]+, "
+                     r"val loss ([\d.]+)$", out, re.M)
+    assert done and int(done[1].replace(",", "")) == 10 * 8 * 128, out[-2000:]
+    assert f"checkpoints: {last.parent}" in out and last.is_file()
+    assert f"sample: python -m fp8_lightning generate --ckpt {last} --prompt" in out
+    assert "continue: the same command with --ckpt_path last --trainer.max_steps 20" in out
+    # the summary comes last: no progress-bar fragment after it
+    assert out.rstrip().splitlines()[-1].startswith("continue: ")
 
 
 def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path):

@@ -257,10 +257,13 @@ def test_emulate_ranks_needs_matching_accumulation(tmp_path, small_vocab, capsys
     assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in err
 
 
-def _sharded_grads(rank: int, port: int, out: str, modes: tuple) -> None:
-    """One of two gloo ranks: a tiny Llama sharded with FSDP2 per block as FSDP2Strategy shards it
-    (BF16 gathers, fp32 reduction), one step per activation-checkpointing mode; rank 0 saves each
-    mode's full gradients."""
+def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "torch",
+                  fp8: bool = False) -> None:
+    """One of two ranks (gloo on the CPU, NCCL on two GPUs): a tiny Llama sharded with FSDP2 per
+    block as FSDP2Strategy shards it (BF16 gathers, fp32 reduction), one step per
+    activation-checkpointing mode under BF16 autocast (TE: FP8 delayed scaling with ``fp8``);
+    rank 0 saves each mode's loss and full gradients."""
+    import contextlib
     import os
 
     import torch.distributed as dist
@@ -272,26 +275,46 @@ def _sharded_grads(rank: int, port: int, out: str, modes: tuple) -> None:
     from fp8_lightning.model import GPT
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    idx = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(rank))
-    grads = {}
+    device = "cuda" if backend == "te" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh(device, (2,))
+    idx = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(rank)).to(device)
+
+    def fp8_context():
+        if not fp8:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling
+
+        return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling())
+
+    results = {}
     for mode in modes:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(name="tiny-llama", n_layer=2, block_size=32, vocab_size=512),
-                    backend="torch", activation_checkpointing=mode)
+        # 16-aligned GEMM dims, as FP8 needs
+        config = GPTConfig(name="tiny-llama", n_layer=2, n_embd=128, ffn_hidden=256,
+                           block_size=64, vocab_size=512)
+        model = GPT(config, backend=backend, activation_checkpointing=mode).to(device)
         shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                 reduce_dtype=torch.float32))
-        model(idx[:, :-1], idx[:, 1:]).backward()
-        grads[mode] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        # FP8: a second pass over the same batch, compared there. The first pass's delayed-scaling
+        # update between forward and backward changes the scales TE's MLP recompute (mlp) uses.
+        for _ in range(2 if fp8 else 1):
+            model.zero_grad()
+            with torch.autocast(device, dtype=torch.bfloat16), fp8_context():
+                loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+        results[mode] = {"loss": loss.detach().cpu(),
+                         **{n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
     if rank == 0:
-        torch.save(grads, out)
+        torch.save(results, out)
     dist.destroy_process_group()
 
 
-def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(tmp_path):
-    """Recomputing a sharded block in the backward (full, mlp) reproduces the gradients of no
-    checkpointing exactly, on the PyTorch backend over two gloo ranks."""
+def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
+    """:func:`sharded_grads` on two spawned ranks; rank 0's results."""
     import socket
 
     import torch.multiprocessing as mp
@@ -300,9 +323,15 @@ def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradie
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "grads.pt"
-    mp.start_processes(_sharded_grads, args=(port, str(out), ("none", "full", "mlp")), nprocs=2,
+    mp.start_processes(sharded_grads, args=(port, str(out), modes, *kwargs.values()), nprocs=2,
                        start_method="spawn")
-    grads = torch.load(out)
+    return torch.load(out)
+
+
+def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(tmp_path):
+    """Recomputing a sharded block in the backward (full, mlp) reproduces the gradients of no
+    checkpointing exactly, on the PyTorch backend over two gloo ranks."""
+    grads = run_two_ranks(tmp_path, ("none", "full", "mlp"))
     assert len(grads["none"]) > 10
     for mode in ("full", "mlp"):
         for name, grad in grads["none"].items():

@@ -16,7 +16,8 @@ One line per logged step (rank zero)::
   against the dense BF16 peak of the GPU (see :mod:`fp8_lightning.flops` for the FLOP count and
   the peak table); ``mfu_fp8`` (only while FP8 runs) the same against the dense FP8 peak.
   ``mfu n/a`` where the peak is unknown (CPU, unlisted GPU).
-* The last field is the precision that really ran: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``.
+* The last field is the precision that really ran: ``FP8 delayed`` or ``BF16 (fallback)`` (the
+  reason is logged once, on the ``precision:`` line or with the switch event).
 * GPU memory: ``gpu/peak_mem_gib`` is the peak allocated in training so far (validation left
   out), ``gpu/val_peak_mem_gib`` the peak of the last validation alone (the reference FP8 8B run
   crashed there from a memory surge); the validation line shows both, and the run ends with
@@ -48,9 +49,9 @@ from ..flops import mfu as mfu_of
 from ..fp8.plugin import fp8_plugin
 from ..logs import (CONFIG_TEXT, FALLBACK_EVENTS, FALLBACK_KINDS, FP8_ACTIVE, FP8_EVENTS_TEXT,
                     GRAD_NORM, HP_METRIC, LR, MFU, MFU_FP8, PAUSED, PEAK_MEMORY, PRECISION_TEXT,
-                    VAL_PEAK_MEMORY,
                     SAMPLES, SETUP_TEXT, STEP_TIME_MS, TOKENS_PER_SEC, TOKENS_SEEN,
-                    TRAIN_LOSS_MEAN, VAL_LOSS, VAL_PPL, console_print, log_metrics, log_text)
+                    TRAIN_LOSS_MEAN, VAL_LOSS, VAL_PEAK_MEMORY, VAL_PPL, console_print, log_metrics,
+                    log_text, short_tag)
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,8 @@ class TrainingMonitor(Callback):
         self._pending = {"step": step, "event": event, "values": values,
                          "tokens": self._tokens(pl_module),
                          "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
-                         "active": fp8_active(trainer), "tag": precision_tag(trainer, pl_module)}
+                         "active": fp8_active(trainer),
+                         "tag": short_tag(precision_tag(trainer, pl_module))}
 
     def _emit(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         """Print and log the prepared line (waits for the GPU up to its step, not beyond)."""

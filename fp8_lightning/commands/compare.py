@@ -33,7 +33,7 @@ from typing import Optional
 
 from ..config import ConfigError
 from ..logs import (FP8_ACTIVE, PAUSED, PRECISION_TEXT, TEXT_FILE, TOKENS_PER_SEC, TOKENS_SEEN,
-                   TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS)
+                   TRAIN_LOSS, TRAIN_LOSS_MEAN, VAL_LOSS, short_tag)
 from ..plots import MissingExtraError, pyplot
 
 Series = list[tuple[int, float]]  # (step, value)
@@ -152,8 +152,7 @@ def read_run(run_dir: str, label: Optional[str] = None) -> Run:
     run = Run(label or run_dir, log_dir, note=note)
     text = _read_tensorboard(run) if any(log_dir.glob(EVENTS)) else _read_csv(run)
     if text:
-        # "BF16 (fallback: <long reason>)" -> "BF16 (fallback)"; the reason is in the logs
-        run.precision = text.split(" (")[0] + (" (fallback)" if "fallback" in text else "")
+        run.precision = short_tag(text)  # the reason is in the logs
     elif run.series(FP8_ACTIVE):
         active = [v for _, v in run.series(FP8_ACTIVE)]
         run.precision = "FP8" if sum(active) / len(active) > 0.5 else "BF16"
