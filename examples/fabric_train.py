@@ -2,6 +2,7 @@
 
     python examples/fabric_train.py --steps 20 --ckpt runs/fabric/last.ckpt
     python examples/fabric_train.py --steps 40 --ckpt runs/fabric/last.ckpt   # resumes at step 20
+    python examples/fabric_train.py --devices 2 --strategy fsdp ...           # FSDP2 on two GPUs
 
 The defaults are CPU-sized (a few seconds per 10 steps); on a GPU raise ``--batch_size`` and
 ``--seq_len`` (up to the preset's block size, 128 for ``tiny``) or pick a larger ``--model``.
@@ -24,14 +25,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.fabric.strategies import ModelParallelStrategy
 
+from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
+from fp8_lightning.distributed import shard_model
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import RECIPES
 from fp8_lightning.module import GPTLightningModule
@@ -69,8 +75,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "validates)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--accelerator", default="auto")
-    parser.add_argument("--devices", default="1")
+    parser.add_argument("--devices", default="1", help="a count, or auto (every GPU)")
+    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"],
+                        help="several devices: ddp (DistributedDataParallel) or fsdp (FSDP2 per "
+                             "block, BF16 gathers; the checkpoint becomes a directory of shards)")
     return parser.parse_args(argv)
+
+
+def fsdp2(plugin: FabricFP8Precision, devices: int) -> ModelParallelStrategy:
+    """FSDP2 through Fabric's ModelParallelStrategy: the model sharded per block as the Trainer's
+    ``FSDP2Strategy`` shards it (BF16 gathers of the fp32 master shards where the run is
+    bf16-mixed, fp32 gradient reduction), every device one data-parallel rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if plugin.weights == "bf16-mixed" else None)
+        shard_model(model, mesh["data_parallel"], mp_policy=policy)
+        return model
+
+    # Fabric's defaults would make the devices of a node one tensor-parallel group
+    return ModelParallelStrategy(parallelize, data_parallel_size=devices, tensor_parallel_size=1)
 
 
 def corpus_blocks(seq_len: int, chars: int) -> torch.Tensor:
@@ -85,10 +110,18 @@ def corpus_blocks(seq_len: int, chars: int) -> torch.Tensor:
 
 def save(fabric: L.Fabric, path: str, state: dict) -> None:
     """``fabric.save`` to a temporary name, then renamed: a run killed while saving leaves the
-    previous checkpoint intact (the Trainer's ``Checkpoint`` callback does this for ``fit``)."""
-    fabric.save(path + ".tmp", state)  # rank zero writes, every rank waits
+    previous checkpoint intact (the Trainer's ``Checkpoint`` callback does this for ``fit``).
+    Under FSDP2 the checkpoint is a directory of shards, swapped in the same way."""
+    tmp = path + ".tmp"
+    if fabric.is_global_zero and os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    fabric.barrier()
+    fabric.save(tmp, state)  # every rank writes its shard, or rank zero the whole file
     if fabric.is_global_zero:
-        os.replace(path + ".tmp", path)
+        if os.path.isdir(tmp):
+            publish_directory(Path(tmp), Path(path))
+        else:
+            os.replace(tmp, path)
     fabric.barrier()
 
 
@@ -97,7 +130,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     plugin = FabricFP8Precision(recipe=args.recipe)
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    fabric = L.Fabric(accelerator=args.accelerator, devices=devices, plugins=[plugin])
+    count = devices if isinstance(devices, int) else max(1, torch.cuda.device_count())
+    strategy = fsdp2(plugin, count) if args.strategy == "fsdp" else args.strategy
+    fabric = L.Fabric(accelerator=args.accelerator, devices=devices, strategy=strategy,
+                      plugins=[plugin])
     fabric.launch()  # before set-up: the plugin reduces amax over the process group it finds
     fabric.seed_everything(1337)
 
@@ -109,9 +145,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                 warmup_steps=args.warmup_steps, lr_decay_steps=args.steps,
                                 compile=args.compile, cuda_graphs=False)
     recipe.configure_model()
+    # The model first, then its optimizer: under FSDP2 the optimizer must hold the sharded
+    # parameters that setup_module made.
+    model = fabric.setup_module(recipe.model)
     optimization = recipe.configure_optimizers()
     scheduler = optimization["lr_scheduler"]["scheduler"]
-    model, optimizer = fabric.setup(recipe.model, optimization["optimizer"])
+    optimizer = fabric.setup_optimizers(optimization["optimizer"])
     guard = FabricNaNGuard(fabric, model, optimizer, check_every=args.log_every)
 
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin,
@@ -133,7 +172,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         rows = order[torch.arange(first, first + args.batch_size) % len(train)]
         return fabric.to_device(train[rows].long())
 
-    start, losses, t0 = state["step"], [], time.perf_counter()
+    start, losses = state["step"], []
+    window = (start, time.perf_counter())  # (step, time) of the last log line
     model.train()
     for step in range(start, args.steps):
         batch = batch_at(step)
@@ -149,9 +189,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         state["step"] = step + 1
         if state["step"] % args.log_every == 0 or state["step"] == args.steps:
             losses.append(loss.item())  # the one host sync every log_every steps
-            ms = 1000 * (time.perf_counter() - t0) / (state["step"] - start)
+            now = time.perf_counter()
+            ms = 1000 * (now - window[1]) / (state["step"] - window[0])
+            window = (state["step"], now)
             fabric.print(f"step {state['step']:>5} | loss {losses[-1]:.4f} | "
                          f"lr {scheduler.get_last_lr()[0]:.2e} | {ms:.0f} ms/step | "
+                         f"tok/s per GPU {batch.shape[0] * (batch.shape[1] - 1) / ms * 1e3:,.0f} | "
                          f"{plugin.effective_precision}")
         if state["step"] % args.save_every == 0 or state["step"] == args.steps:
             save(fabric, args.ckpt, state)

@@ -32,6 +32,7 @@ from typing_extensions import override
 from .config import ConfigError
 from .fp8 import FP8PrecisionBase
 from .callbacks.guard import NaNGuard
+from .distributed import full_tensor
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
@@ -158,7 +159,9 @@ class FabricNaNGuard(NaNGuard):
     def before_optimizer_step(self, loss: torch.Tensor,
                               grad_norm: Optional[torch.Tensor] = None) -> None:
         """Flag this step if ``loss`` or ``grad_norm`` is non-finite (after ``fabric.backward``)."""
-        norm = grad_norm.detach().float() if isinstance(grad_norm, torch.Tensor) else None
+        # Under FSDP2 fabric.clip_gradients returns the norm as a DTensor: its value, on the device
+        norm = (full_tensor(grad_norm).detach().float() if isinstance(grad_norm, torch.Tensor)
+                else None)
         self._flag(self._loop, self.model, self.optimizer, loss.detach(), norm)
 
     def after_optimizer_step(self) -> None:

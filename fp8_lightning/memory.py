@@ -31,7 +31,7 @@ their sum under gradient accumulation (the gradients of the earlier micro-batche
 Measured against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step): 0.95x and
 0.86x on an H100 (GPT-2 124M cut to 4 blocks, 8 x 1024, compiled BF16 and TE FP8;
 ``tests/test_gpu_bench.py``), 0.98-1.01x (compiled BF16) and 1.02-1.27x (TE FP8, which keeps
-fewer activations than counted) against session 9's H200 tables (docs/benchmarks.md). The CUDA
+fewer activations than counted) against the H200 tables (docs/benchmarks.md). The CUDA
 context and the allocator's fragmentation are not in it: the check compares with the memory free
 *and* already reserved by this process.
 """

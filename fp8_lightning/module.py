@@ -447,7 +447,7 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on
         # a run's or an epoch's last step, not on the others, whose value the loggers discard:
-        # one self.log costs 0.3-0.7 ms of host time (CPU A/B, session 12), 2-3% of a
+        # one self.log costs 0.3-0.7 ms of host time (CPU A/B), 2-3% of a
         # host-bound GPT-2 step. So ``callback_metrics["train/loss"]`` is at most
         # log_every_n_steps - 1 steps old. Not on the progress bar: the bar reads it every step,
         # a host sync (TrainingMonitor prints the loss instead). The condition is the one Lightning

@@ -5,6 +5,9 @@ FP8 itself under Fabric runs in tests/test_gpu_fabric.py.
 
 import importlib.util
 import logging
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -159,3 +162,24 @@ def test_the_example_trains_saves_and_resumes(tmp_path, capsys):
     assert "resumed from" in out and "at step 2" in out and "val loss" in out
     assert second["step"] == 3 and len(second["losses"]) == 1
     assert all(torch.isfinite(torch.tensor(r["losses"] + [r["val_loss"]])).all() for r in (first, second))
+
+
+def test_the_example_under_fsdp2_on_two_ranks_saves_shards_and_resumes_exactly(tmp_path):
+    """``--strategy fsdp --devices 2`` (two gloo ranks): the model sharded per block, the checkpoint
+    a directory of shards, and a resumed run's step-3 loss the uninterrupted run's."""
+    def run(ckpt, steps):
+        result = subprocess.run(
+            [sys.executable, "examples/fabric_train.py", "--ckpt", str(ckpt), "--n_layer", "2",
+             "--batch_size", "2", "--seq_len", "32", "--corpus_chars", "20000", "--log_every", "1",
+             "--save_every", "2", "--steps", str(steps), "--accelerator", "cpu", "--devices", "2",
+             "--strategy", "fsdp"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout, dict(re.findall(r"^step +(\d+) \| loss ([\d.]+)", result.stdout, re.M))
+
+    _, whole = run(tmp_path / "whole.ckpt", 3)
+    run(tmp_path / "last.ckpt", 2)
+    assert (tmp_path / "last.ckpt").is_dir() and (tmp_path / "last.ckpt" / "meta.pt").is_file()
+    assert len(list((tmp_path / "last.ckpt").glob("*.distcp"))) == 2  # one shard per rank
+    out, resumed = run(tmp_path / "last.ckpt", 3)
+    assert "at step 2" in out and list(resumed) == ["3"]
+    assert resumed["3"] == whole["3"], (resumed, whole)

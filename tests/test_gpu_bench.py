@@ -75,7 +75,7 @@ def test_bench_runs_every_variant_or_says_why(bench_report):
                                                       ("fp8-delayed-te-attn", True, False)])
 def test_memory_estimate_tracks_the_measured_peak(bench_report, variant, fp8, fp32_residual):
     """fp8_lightning/memory.py against bench's measured peak of the same step, within the range
-    measured on the H100 and H200 tables (0.91-1.30x; docs/benchmarks.md, session 10)."""
+    measured on the H100 and H200 tables (0.91-1.30x; docs/benchmarks.md, "Peak memory")."""
     from fp8_lightning.config import GPTConfig
     from fp8_lightning.memory import GIB, RunShape, estimate_memory
 

@@ -191,7 +191,7 @@ def test_torchao_resumes_the_loss_curve_and_its_checkpoint_loads_into_te(tmp_pat
     # state), so only the forward's rounding differs: it checks the weights and the engine's
     # conversion (the moments and the schedule first act on step 22). Later steps drift: the
     # embedding's backward adds atomically, so no two runs are bitwise equal (two runs of 20
-    # steps each ended 0.0106 apart at step 21 on an H200, session 11), and the bound there is
+    # steps each ended 0.0106 apart at step 21 on an H200), and the bound there is
     # the drift's.
     assert abs(resumed[21] - straight[21]) < 1e-3, (resumed[21], straight[21])
     for step in (30, 40):

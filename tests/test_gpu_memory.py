@@ -63,7 +63,7 @@ def test_activation_checkpointing_under_fp8_matches_and_keeps_less(mode, no_chec
     # a wrong recompute (other scales, a second amax update) shows here. Later the runs drift
     # apart as any two do on this one memorised batch (atomic adds; the recompute's own
     # kernels): on an H100 the *unchecked* run's step-19 loss itself came 4.704, 4.708 and 4.768
-    # in three calls, and `full` ended 0.009, 0.021 and 0.075 from it (session 10).
+    # in three calls, and `full` ended 0.009, 0.021 and 0.075 from it.
     for step in (0, 1):
         assert abs(ckpt_losses[step] - losses[step]) < 5e-3, (step, ckpt_losses[step], losses[step])
     assert abs(ckpt_losses[9] - losses[9]) < 5e-2, (ckpt_losses[9], losses[9])

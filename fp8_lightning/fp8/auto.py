@@ -52,7 +52,7 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
 
     ``warmup``: torchao's compiled step runs ~6% slow for a few steps after its compilation
     (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10;
-    bench's 15 steps after 5: 43.41; docs/benchmarks.md, session 16), which made the probe read
+    bench's 15 steps after 5: 43.41; docs/benchmarks.md), which made the probe read
     torchao slower than bench does; the other candidates settle within 3."""
     from ..measure import measure, parse_variant, skip_reason
 
