@@ -79,7 +79,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"],
                         help="several devices: ddp (DistributedDataParallel) or fsdp (FSDP2 per "
                              "block, BF16 gathers; the checkpoint becomes a directory of shards)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.strategy == "fsdp" and not args.devices.isdigit():
+        parser.error(f"--strategy fsdp needs --devices N, a count (got {args.devices!r})")
+    if os.path.exists(args.ckpt) and not args.fresh:
+        # A sharded checkpoint (a directory) resumes only under FSDP2, a file only without it.
+        sharded = os.path.isdir(args.ckpt)
+        if sharded != (args.strategy == "fsdp"):
+            what = "a directory of FSDP2 shards" if sharded else "one file"
+            parser.error(f"--ckpt {args.ckpt} is {what}, written {'with' if sharded else 'without'}"
+                         " --strategy fsdp; resume it that way, or start over with --fresh or "
+                         "another --ckpt")
+    return args
 
 
 def fsdp2(plugin: FabricFP8Precision, devices: int) -> ModelParallelStrategy:

@@ -208,28 +208,32 @@ class FP8LightningCLI(LightningCLI):
     def after_fit(self) -> None:
         """The run's closing lines: what it did, where its checkpoints are, what to run next."""
         trainer, model = self.trainer, self.model
-        if not trainer.is_global_zero or trainer.interrupted:
+        if not trainer.is_global_zero:
             return
         seconds = time.perf_counter() - getattr(self, "_fit_start", time.perf_counter())
         took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
         metrics = trainer.callback_metrics
         losses = [f"{name} {float(metrics[key]):.4f}" for name, key in
                   (("train loss", TRAIN_LOSS), ("val loss", VAL_LOSS)) if key in metrics]
-        tokens = getattr(model, "tokens_seen", 0)
-        lines = [f"done: {trainer.global_step} steps, {tokens:,} tokens in {took}"
-                 + (f"; {', '.join(losses)}" if losses else "")]
-        callback = next((c for c in trainer.callbacks if isinstance(c, Checkpoint)), None)
-        last = os.path.join(callback.dirpath, "last.ckpt") if callback and callback.dirpath else None
+        step = trainer.global_step
+        resumed = f" ({step - self.resumed_step} in this run)" if self.resumed_step else ""
+        lines = [f"done: step {step}{resumed}, {getattr(model, 'tokens_seen', 0):,} tokens seen; "
+                 f"this run took {took}" + (f"; {', '.join(losses)}" if losses else "")]
+        # Lightning's record of the last checkpoint this run wrote (none: say nothing about one)
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
         if last and os.path.exists(last):
-            lines.append(f"checkpoints: {callback.dirpath}")
+            lines.append(f"checkpoints: {os.path.dirname(last)}")
             if os.path.isdir(last):  # sharded (FSDP2): one file first
                 lines.append(f"sample: python -m fp8_lightning consolidate {last} model.ckpt && "
                              "python -m fp8_lightning generate --ckpt model.ckpt --prompt \"...\"")
             else:
                 lines.append(f"sample: python -m fp8_lightning generate --ckpt {last} "
                              "--prompt \"...\"")
-            lines.append("continue: the same command with --ckpt_path last --trainer.max_steps "
-                         f"{2 * max(trainer.global_step, 1)}")
+            if trainer.max_steps > 0:
+                # The schedule's length stays what it was: the learning rate goes on at its end.
+                decay = getattr(model, "hparams", {}).get("lr_decay_steps") or trainer.max_steps
+                lines.append("continue: the same command with --ckpt_path last --trainer.max_steps "
+                             f"{2 * max(step, 1)} --model.lr_decay_steps {decay}")
         print("\n".join(lines), flush=True)
 
     @override

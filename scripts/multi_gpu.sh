@@ -58,6 +58,9 @@ STRATEGIES=${STRATEGIES:-ddp fsdp}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 PY_DATA_DEFER=1 . scripts/py_data.sh
+data1k() {  # the 1024-token corpus, once, at the first job that trains on it (not the plain ones)
+    pycode_prepare "$DATA" 1024 16 || { echo "no data in $DATA"; return 1; }
+}
 NGPU=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 git rev-parse HEAD 2>/dev/null | tee "$OUT/commit.txt"
@@ -100,7 +103,6 @@ fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
     local name=$1 devices=$2 strategy=$3 start=$SECONDS
     shift 3
     local extra=()
-    pycode_prepare "$DATA" 1024 16 || { echo "=== $name: no data in $DATA"; return 1; }
     [ "$strategy" != none ] && extra=(--config "$strategy")
     echo "=== $name: $devices GPU(s) ${strategy}"
     echo "=== devices: $devices" > "$OUT/$name.log"
@@ -157,6 +159,7 @@ plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP a
 }
 
 throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP and FSDP2 on GPUS
+    data1k || return
     local model=$1 batch=$2 prec cfg n s strat
     # StepProfile splits steps PROFILE_AT.. into GPU compute, exposed communication and GPU idle
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
@@ -179,6 +182,7 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
 }
 
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
+    data1k || return
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     fit loss-1gpu 1 none "${args[@]}" --data.batch_size 8 --trainer.accumulate_grad_batches 4 \
@@ -188,6 +192,7 @@ loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP
 }
 
 resume() {  # FSDP2 (4 GPUs), sharded checkpoints at 100 and 200; resume step 100 -> 200; consolidate
+    data1k || return
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     # This one samples text at its validation: under FSDP every rank runs the sampler.

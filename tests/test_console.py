@@ -2,7 +2,7 @@
 
 import re
 
-from tests._runs import run_cli, small_vocab_fit
+from tests._runs import run_cli, small_vocab, small_vocab_fit
 from fp8_lightning.console import _without_unknown_flops
 
 # Lines that must never reach the console: adverts, litdata's worker chatter and progress bars,
@@ -47,12 +47,14 @@ def test_fit_ends_with_a_summary_and_the_next_commands(tmp_path_factory):
     run_dir, result = small_vocab_fit(tmp_path_factory)
     out = plain(result.stdout)
     last = run_dir / "checkpoints" / "last.ckpt"
-    done = re.search(r"^done: 10 steps, ([\d,]+) tokens in [\d.]+ (?:s|min); train loss [\d.]+, "
-                     r"val loss ([\d.]+)$", out, re.M)
+    done = re.search(r"^done: step 10, ([\d,]+) tokens seen; this run took [\d.]+ (?:s|min); "
+                     r"train loss [\d.]+, val loss ([\d.]+)$", out, re.M)
     assert done and int(done[1].replace(",", "")) == 10 * 8 * 128, out[-2000:]
     assert f"checkpoints: {last.parent}" in out and last.is_file()
     assert f"sample: python -m fp8_lightning generate --ckpt {last} --prompt" in out
-    assert "continue: the same command with --ckpt_path last --trainer.max_steps 20" in out
+    # twice the steps, the schedule as it was (its end: the minimum learning rate from here on)
+    assert ("continue: the same command with --ckpt_path last --trainer.max_steps 20 "
+            "--model.lr_decay_steps 10") in out
     # the summary comes last: no progress-bar fragment after it
     assert out.rstrip().splitlines()[-1].startswith("continue: ")
 
@@ -85,3 +87,19 @@ def test_model_summary_drops_flops_only_when_uncounted():
                if line.startswith("---"))
     counted = table.replace("0         Total Flops", "1.2 G     Total Flops")
     assert _without_unknown_flops(counted) == counted
+
+
+def test_a_resumed_fit_says_how_many_steps_it_ran(tmp_path_factory, tmp_path):
+    run_dir, _ = small_vocab_fit(tmp_path_factory)
+    import shutil
+
+    shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")  # the shared run untouched
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab(tmp_path_factory),
+                     "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0",
+                     "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last",
+                     "--model.lr_decay_steps", "10")
+    out = plain(result.stdout)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"^done: step 12 \(2 in this run\), [\d,]+ tokens seen; ", out, re.M), \
+        out[-1500:]
+    assert "--trainer.max_steps 24 --model.lr_decay_steps 10" in out

@@ -315,6 +315,7 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
 
 def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
     """:func:`sharded_grads` on two spawned ranks; rank 0's results."""
+    import functools
     import socket
 
     import torch.multiprocessing as mp
@@ -323,8 +324,8 @@ def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "grads.pt"
-    mp.start_processes(sharded_grads, args=(port, str(out), modes, *kwargs.values()), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(functools.partial(sharded_grads, **kwargs), args=(port, str(out), modes),
+                       nprocs=2, start_method="spawn")
     return torch.load(out)
 
 

@@ -183,3 +183,24 @@ def test_the_example_under_fsdp2_on_two_ranks_saves_shards_and_resumes_exactly(t
     out, resumed = run(tmp_path / "last.ckpt", 3)
     assert "at step 2" in out and list(resumed) == ["3"]
     assert resumed["3"] == whole["3"], (resumed, whole)
+
+
+def test_the_example_refuses_a_checkpoint_of_the_other_layout(tmp_path, capsys):
+    """A sharded checkpoint (a directory) resumes only under FSDP2 and a file only without it:
+    one error line naming the way out, before any training."""
+    spec = importlib.util.spec_from_file_location("fabric_train", ROOT / "examples" / "fabric_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    (tmp_path / "sharded.ckpt").mkdir()
+    (tmp_path / "one.ckpt").write_bytes(b"")
+    for ckpt, strategy in (("sharded.ckpt", "ddp"), ("one.ckpt", "fsdp")):
+        with pytest.raises(SystemExit) as exit_:
+            example.parse_args(["--ckpt", str(tmp_path / ckpt), "--strategy", strategy,
+                                "--devices", "2"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert re.match(r"\S+: error: --ckpt ", err) and "--fresh" in err, err
+    example.parse_args(["--ckpt", str(tmp_path / "sharded.ckpt"), "--strategy", "ddp", "--fresh"])
+    with pytest.raises(SystemExit):
+        example.parse_args(["--strategy", "fsdp", "--devices", "auto"])
+    assert "--strategy fsdp needs --devices N" in capsys.readouterr().err

@@ -221,3 +221,24 @@ def test_activation_checkpointing_is_validated():
     with pytest.raises(ValueError, match="activation_checkpointing_every=0"):
         GPT(GPTConfig.from_name("tiny"), activation_checkpointing="full",
             activation_checkpointing_every=0)
+
+
+def test_full_checkpointing_wraps_each_blocks_inner_forward(monkeypatch):
+    """The recomputed region is the block's own forward (``Block.residual``), called from inside
+    ``Block.forward``: hooks on the block (FSDP2's gather and input cast) stay outside it. (PyTorch
+    < 2.13 skips FSDP2's cast when it recomputes a checkpointed FSDP2 module: pytorch#159359.)"""
+    import fp8_lightning.model as model_module
+
+    wrapped = []
+    real = model_module.checkpoint
+
+    def spy(backend, function, *args):
+        wrapped.append(function)
+        return real(backend, function, *args)
+
+    monkeypatch.setattr(model_module, "checkpoint", spy)
+    model = GPT(GPTConfig(name="tiny", n_layer=2, vocab_size=512), activation_checkpointing="full")
+    idx = torch.randint(0, 512, (1, 9))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    assert [f.__func__ for f in wrapped] == [model_module.Block.residual] * 2
+    assert [f.__self__ for f in wrapped] == list(model.blocks)
