@@ -34,7 +34,7 @@ import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 
-from fp8_lightning.checkpoint import publish_directory
+from fp8_lightning.checkpoint import publish_directory, safe_lightning_dcp_loads
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.distributed import shard_model
@@ -141,8 +141,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     plugin = FabricFP8Precision(recipe=args.recipe)
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    count = devices if isinstance(devices, int) else max(1, torch.cuda.device_count())
-    strategy = fsdp2(plugin, count) if args.strategy == "fsdp" else args.strategy
+    # (parse_args made --devices a count for fsdp)
+    strategy = fsdp2(plugin, devices) if args.strategy == "fsdp" else args.strategy
     fabric = L.Fabric(accelerator=args.accelerator, devices=devices, strategy=strategy,
                       plugins=[plugin])
     fabric.launch()  # before set-up: the plugin reduces amax over the process group it finds
@@ -167,7 +167,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin,
              "guard": guard, "step": 0}
     if os.path.exists(args.ckpt) and not args.fresh:
-        fabric.load(args.ckpt, state)
+        # No code runs from a checkpoint: tensors only, and a sharded one's .metadata through the
+        # package's allow-listing reader (DCP's own unpickles it)
+        with safe_lightning_dcp_loads():
+            fabric.load(args.ckpt, state, weights_only=True)
         fabric.print(f"resumed from {args.ckpt} at step {state['step']}")
     fabric.print(f"precision: {plugin.tag}")
 

@@ -2,7 +2,7 @@
 # image's site-packages (16 files, sorted path order) as GPT-2 BPE litdata shards in $DATA, once.
 # pycode_prepare DIR SEQ_LEN WORKERS cuts the same text in other block sizes (multi_gpu.sh's 8B
 # jobs: 8192); it fails if DIR could not be prepared. With PY_DATA_DEFER set, sourcing only
-# defines it (multi_gpu.sh prepares at its first fit, so its plain jobs start at once).
+# defines it (multi_gpu.sh prepares in the jobs that train on it; its plain jobs start at once).
 DATA=${DATA:-/tmp/pycode-ds}
 pycode_prepare() {
     local dir=$1 seq_len=$2 workers=$3

@@ -22,7 +22,6 @@ from torch import nn
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..logs import short_tag
 from ..te_support import fallback_precision
 from .engine import Engine
 from .engines import get_engine
@@ -170,12 +169,6 @@ class FP8PrecisionBase(FabricPrecision):
         if self.fp8_active:
             return f"FP8 {self.recipe_config['recipe']}"
         return f"{self.effective_precision.upper()} (fallback: {self.reason})"
-
-    @property
-    def short_tag(self) -> str:
-        """The tag of every log line: ``FP8 delayed`` or ``BF16 (fallback)`` (the reason is
-        logged once, when it happens)."""
-        return short_tag(self.tag)
 
     def _record(self, event: str, reason: str, step: Optional[int] = None) -> None:
         self.history.append({"event": event, "reason": reason, "step": step,
