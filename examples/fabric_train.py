@@ -33,11 +33,12 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from fp8_lightning.checkpoint import publish_directory, safe_lightning_dcp_loads
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
-from fp8_lightning.distributed import shard_model
+from fp8_lightning.distributed import fsdp2_layout, gather_policy, shard_model
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import RECIPES
 from fp8_lightning.module import GPTLightningModule
@@ -94,15 +95,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def fsdp2(plugin: FabricFP8Precision, devices: int) -> ModelParallelStrategy:
-    """FSDP2 through Fabric's ModelParallelStrategy: the model sharded per block as the Trainer's
-    ``FSDP2Strategy`` shards it (BF16 gathers of the fp32 master shards where the run is
-    bf16-mixed, fp32 gradient reduction), every device one data-parallel rank."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """FSDP2 through Fabric's ModelParallelStrategy: the model sharded in units of blocks as the
+    Trainer's ``FSDP2Strategy`` shards it (BF16 gathers of the fp32 master shards where the run
+    is bf16-mixed, fp32 gradient reduction; weights freed after each unit's forward, as this
+    example estimates no memory), every device one data-parallel rank."""
 
     def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if plugin.weights == "bf16-mixed" else None)
-        shard_model(model, mesh["data_parallel"], mp_policy=policy)
+        reshard, per_unit, how = fsdp2_layout(model, None, None, fits_one_gpu=None)
+        rank_zero_only(print)(f"FSDP2: {how}")
+        shard_model(model, mesh["data_parallel"], mp_policy=gather_policy(plugin.weights),
+                    reshard_after_forward=reshard, blocks_per_unit=per_unit)
         return model
 
     # Fabric's defaults would make the devices of a node one tensor-parallel group
@@ -136,6 +138,26 @@ def save(fabric: L.Fabric, path: str, state: dict) -> None:
     fabric.barrier()
 
 
+def load(fabric: L.Fabric, path: str, state: dict) -> None:
+    """``fabric.load`` of ``state``, the FP8 plugin's and the guard's state included.
+
+    No code runs from a checkpoint: tensors only, and a sharded one's .metadata through the
+    package's allow-listing reader (DCP's own unpickles it). Fabric's ModelParallelStrategy
+    puts a directory checkpoint's saved state of the other stateful objects into ``state`` in
+    place of the objects (``state[key] = metadata.pop(key)`` in its ``_load_checkpoint``; its
+    one-file path calls their ``load_state_dict``), so those are loaded here.
+    """
+    stateful = {key: obj for key, obj in state.items()
+                if callable(getattr(obj, "load_state_dict", None))
+                and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
+    with safe_lightning_dcp_loads():
+        fabric.load(path, state, weights_only=True)
+    for key, obj in stateful.items():
+        if state[key] is not obj:  # the saved dict, not loaded into the object
+            obj.load_state_dict(state[key])
+            state[key] = obj
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -167,11 +189,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin,
              "guard": guard, "step": 0}
     if os.path.exists(args.ckpt) and not args.fresh:
-        # No code runs from a checkpoint: tensors only, and a sharded one's .metadata through the
-        # package's allow-listing reader (DCP's own unpickles it)
-        with safe_lightning_dcp_loads():
-            fabric.load(args.ckpt, state, weights_only=True)
-        fabric.print(f"resumed from {args.ckpt} at step {state['step']}")
+        load(fabric, args.ckpt, state)
+        fabric.print(f"resumed from {args.ckpt} at step {state['step']} (FP8 plugin history: "
+                     f"{len(plugin.history)} events; NaN guard at step {guard.global_step})")
     fabric.print(f"precision: {plugin.tag}")
 
     blocks = corpus_blocks(min(args.seq_len, recipe.config.block_size), args.corpus_chars)

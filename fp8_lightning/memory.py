@@ -9,7 +9,9 @@ The estimate counts, per GPU:
 - **weights**: the master copies (4 B/param in fp32, 2 in ``bf16-true``), sharded over the
   FSDP2 group; plus the step's working copies of the GEMM weights (BF16 casts under autocast,
   or TE's FP8 weights and their transposes: 2 B per GEMM weight), under FSDP2 those of the two
-  blocks gathered at a time and of the root (embedding, LM head), which stays gathered;
+  blocks gathered at a time and of the root (embedding, LM head), which stays gathered, or of
+  every block where the weights stay gathered from forward to backward, plus TE's FP8 weights
+  and transposes kept for the backward of every block not checkpointed;
 - **gradients**: one per parameter in the master dtype, sharded (under FSDP2 the LM head's
   gradient is whole until its reduce-scatter);
 - **optimizer**: AdamW's two moments in the master dtype, sharded;
@@ -95,6 +97,7 @@ class RunShape:
     batch_size: int
     seq_len: int
     shards: int = 1  # the FSDP2 group's size (1: every GPU holds everything, as DDP does)
+    keep_gathered: bool = False  # FSDP2 without reshard after forward: every block's weights
     fp8: bool = False  # TE FP8: GEMM inputs kept in FP8 for the backward
     fp32_residual: bool = False
     activation_checkpointing: str = "none"
@@ -110,18 +113,32 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
     params, gemm = num_params(c), matmul_params(c)
     h, q, f = c.n_embd, c.qkv_width, c.ffn_hidden
     head_params = c.padded_vocab_size * h
-    if run.shards > 1:  # two blocks gathered at a time, the root (embedding, head) throughout
+    if run.shards > 1 and run.keep_gathered:  # every block's BF16 weights, forward to backward
+        working = 2 * params
+    elif run.shards > 1:  # two blocks gathered at a time, the root (embedding, head) throughout
         root = head_params * (1 if c.tie_embeddings else 2)
         working = 2 * (2 * (params - root) / max(1, c.n_layer) + root)
     else:  # the GEMM weights' BF16 (or FP8) copies; the embedding lookup takes no copy
         working = 2 * gemm
     f1 = c.fc1_width
+    checkpointed = len(checkpointed_blocks(c.n_layer, run.activation_checkpointing_every))
+    if run.shards > 1 and run.fp8:
+        # TE keeps each GEMM's FP8 weight and its transpose for the backward of every block whose
+        # forward it keeps; under FSDP2 they are copies of gathered weights, beside the shards
+        # (on one GPU they are the working copies above). A recomputed block has its own.
+        attn_w, mlp_w = h * q + h * h, h * (f1 + f)
+        if run.activation_checkpointing == "full":
+            kept_w = (c.n_layer - checkpointed + min(1, checkpointed)) * (attn_w + mlp_w)
+        elif run.activation_checkpointing == "mlp":
+            kept_w = c.n_layer * attn_w + (c.n_layer - checkpointed + min(1, checkpointed)) * mlp_w
+        else:
+            kept_w = c.n_layer * (attn_w + mlp_w)
+        working += 2 * kept_w
     r = 4 if run.fp32_residual else 2
     g = 1 if run.fp8 else 2
     attention = (r + g) * h + 2 * q + 2 * h + (h if run.fp8 else 0)
     mlp_inner = g * h + 2 * f1 + g * f
     block = attention + r * h + mlp_inner  # bytes per token
-    checkpointed = len(checkpointed_blocks(c.n_layer, run.activation_checkpointing_every))
     if run.activation_checkpointing == "full":
         kept = checkpointed * r * h + (c.n_layer - checkpointed) * block
         if checkpointed == c.n_layer:  # every block: one recomputed at a time on top

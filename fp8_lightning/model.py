@@ -273,7 +273,7 @@ class GPT(nn.Module):
         return idx
 
 
-def compile_model(model: GPT, cuda_graphs: bool = False) -> str:
+def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True) -> str:
     """Compile ``model`` in place for training; returns what was compiled (for the log line).
 
     Parameter names, ``model.blocks`` and the state dict are unchanged (``torch.compile(model)``
@@ -283,7 +283,7 @@ def compile_model(model: GPT, cuda_graphs: bool = False) -> str:
     TE backend TransformerEngine's modules stay outside (DelayedScaling does not run under
     ``torch.compile``, TE's maintainers do not plan it); every region between them is compiled:
     per block the head split, QK-norm, RoPE and SDPA (or the part before
-    ``te.DotProductAttention``), and the loss.
+    ``te.DotProductAttention``), and the loss; with ``regions=False`` only the loss.
     """
     if model.backend == "torch":
         if cuda_graphs:
@@ -291,12 +291,14 @@ def compile_model(model: GPT, cuda_graphs: bool = False) -> str:
             return "the whole model and its loss, one graph, replayed as CUDA graphs"
         model.compile()
         return "the whole model and its loss, one graph"
+    model.loss_fn = torch.compile(next_token_loss)
+    if not regions:
+        return "the loss"
     for block in model.blocks:
         if isinstance(block.core, SDPAttention):
             block.attend = torch.compile(block.attend)
         else:
             block.heads = torch.compile(block.heads)
-    model.loss_fn = torch.compile(next_token_loss)
     what = "heads + SDPA" if isinstance(model.blocks[0].core, SDPAttention) else "heads"
     return f"the regions between TE modules: {what} per block, the loss"
 

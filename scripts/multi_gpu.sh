@@ -37,7 +37,9 @@
 #                  scaling against the fewest GPUs run
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 120), PRECISIONS
 # (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"; also ddp-bf16grad:
-# gradients all-reduced in BF16, fsdp-keep: no reshard after forward), COMPILE (unset:
+# gradients all-reduced in BF16; fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
+# fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
+# combined as fsdp-reshard-g1-compiled), COMPILE (unset:
 # model.compile's default), PROFILE_AT (default 50), SINGLE (default 1; 0 skips the one-GPU runs);
 # for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
@@ -127,13 +129,22 @@ precision_args() {  # precision_args NAME: the config and overrides of a PRECISI
 }
 
 strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGIES entry
-    case $1 in
-        ddp)          echo "configs/ddp.yaml" ;;
-        fsdp)         echo "configs/fsdp.yaml" ;;
-        ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK" ;;
-        fsdp-keep)    echo "configs/fsdp.yaml --trainer.strategy.init_args.reshard_after_forward false" ;;
-        *) echo "unknown strategy $1" >&2; return 1 ;;
+    # ddp | ddp-bf16grad | fsdp[-keep|-reshard][-gN][-eager|-compiled]: FSDP2Strategy's layout
+    # chosen unless -keep (no reshard after forward), -reshard (reshard), -gN (N blocks per
+    # unit); -eager without torch.compile, -compiled with it everywhere (model.compile: true)
+    local name=$1 args
+    case $name in
+        ddp)          echo "configs/ddp.yaml"; return ;;
+        ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK"; return ;;
+        fsdp*)        args="configs/fsdp.yaml" ;;
+        *) echo "unknown strategy $name" >&2; return 1 ;;
     esac
+    [[ $name == *-keep* ]] && args+=" --trainer.strategy.init_args.reshard_after_forward false"
+    [[ $name =~ -g([0-9]+) ]] && args+=" --trainer.strategy.init_args.blocks_per_unit ${BASH_REMATCH[1]}"
+    [[ $name == *-reshard* ]] && args+=" --trainer.strategy.init_args.reshard_after_forward true"
+    [[ $name == *-eager* ]] && args+=" --model.compile false"
+    [[ $name == *-compiled* ]] && args+=" --model.compile true"
+    echo "$args"
 }
 BF16_HOOK=torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook
 

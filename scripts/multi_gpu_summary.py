@@ -122,8 +122,8 @@ def main8b(out: Path) -> None:
                   f"(t8-fp8-delayed) {full['ms']:.0f} ms/step: efficiency {one32 / full['ms']:.3f}")
 
 
-# variant, layout (1gpu, or strategy-Ngpu: ddp, ddp-bf16grad, fsdp, fsdp-keep)
-NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)(?:-[a-z0-9]+)?-\d+gpu)$")
+# variant, layout (1gpu, or strategy-Ngpu: ddp, ddp-bf16grad, fsdp, fsdp-keep-g4-eager, ...)
+NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)(?:-[a-z0-9]+)*-\d+gpu)$")
 PROFILE_ROW = re.compile(r"^(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", re.M)
 
 

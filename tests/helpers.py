@@ -239,8 +239,9 @@ class StrategySettings(Callback):
                         "param_dtype": str(group.mp_policy.param_dtype)}
 
             gpt = pl_module.model
+            states = [b._get_fsdp_state() for b in gpt.blocks]  # one per unit of blocks
             settings = {"strategy": "fsdp2", "blocks": [fsdp(b) for b in gpt.blocks],
-                        "root": fsdp(gpt)}
+                        "root": fsdp(gpt), "units": len({id(s) for s in states})}
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(settings, f)

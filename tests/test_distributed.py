@@ -5,6 +5,7 @@ The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is
 not the tokenizer."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,8 +79,10 @@ def fsdp_runs(tmp_path_factory, small_vocab):
     root = tmp_path_factory.mktemp("fsdp")
     # With activation checkpointing (the 8B configs' memory lever) in the first run only: the
     # recompute runs inside FSDP2's per-block unshard, and the checkpoint does not depend on it.
+    # keep_last 1: the sharded step-3 copy is rotated out when step 6's is written
     first = fit(root, small_vocab, "--trainer.max_steps", "6",
-                "--model.activation_checkpointing", "full", config="configs/fsdp.yaml")
+                "--model.activation_checkpointing", "full",
+                "--trainer.callbacks.init_args.keep_last", "1", config="configs/fsdp.yaml")
     (root / "after6").mkdir()
     for name in (".metadata", "meta.pt"):  # the step-6 checkpoint's index, for the checks below
         (root / "after6" / name).write_bytes((root / "checkpoints/last.ckpt" / name).read_bytes())
@@ -105,18 +108,40 @@ def test_ddp_applies_the_overlays_bucket_settings_on_every_rank(ddp_runs):
                         "find_unused_parameters": False}
 
 
-def test_fsdp2_reshards_blocks_after_forward_keeps_the_root_and_gathers_bf16(fsdp_runs):
-    """configs/fsdp.yaml on every rank: each block's weights freed after its forward and gathered
-    again in backward (reshard_after_forward: true), the root's kept for the backward, BF16
-    gathers where the run's weights are bf16-mixed (fp32 on this CPU: the policy follows the
-    precision that runs)."""
+def test_fsdp2_groups_small_blocks_in_one_unit_keeps_the_root_and_gathers_bf16(fsdp_runs):
+    """configs/fsdp.yaml on every rank, its layout chosen: the tiny model's blocks (far below
+    UNIT_PARAMS) sharded as one unit, whose weights backward needs first and so are not freed
+    after forward, the root's kept for the backward too, BF16 gathers where the run's weights are
+    bf16-mixed (fp32 on this CPU: the policy follows the precision that runs)."""
     root, _, _ = fsdp_runs
     ranks = settings(root)
     assert len(ranks) == 2 and ranks[0] == ranks[1]
     blocks, root_unit = ranks[0]["blocks"], ranks[0]["root"]
-    assert ranks[0]["strategy"] == "fsdp2" and len(blocks) == 2
-    assert all(b["reshard_after_forward"] for b in blocks) and not root_unit["reshard_after_forward"]
+    assert ranks[0]["strategy"] == "fsdp2" and len(blocks) == 2 and ranks[0]["units"] == 1
+    assert not any(b["reshard_after_forward"] for b in blocks)
+    assert not root_unit["reshard_after_forward"]
     assert len({b["param_dtype"] for b in blocks + [root_unit]}) == 1
+
+
+def test_fsdp2_layout_follows_the_settings_and_the_memory_estimate():
+    """FSDP2Strategy's layout: given settings as given; otherwise weights kept gathered only when
+    the run fits one GPU unsharded (not when it does not, nor when unknown), and blocks grouped
+    into units of about UNIT_PARAMS parameters (GPT-2 124M: one unit, 1.3B: 4 blocks a unit,
+    Llama-3-8B: a block a unit)."""
+    from fp8_lightning.config import GPTConfig
+    from fp8_lightning.distributed import fsdp2_layout
+    from fp8_lightning.model import GPT
+
+    with torch.device("meta"):  # the real shapes, no memory
+        gpt2, big, llama = (GPT(GPTConfig.from_name(name), backend="torch")
+                            for name in ("gpt2", "gpt-1.3b", "llama3-8b"))
+    assert fsdp2_layout(gpt2, True, 1, True)[:2] == (True, 1)
+    assert fsdp2_layout(gpt2, None, None, True)[:2] == (False, 12)
+    assert fsdp2_layout(gpt2, None, None, False)[0] is True
+    assert fsdp2_layout(gpt2, None, None, None)[0] is True
+    assert fsdp2_layout(big, None, None, True)[1] == 4
+    assert fsdp2_layout(llama, None, None, False)[:2] == (True, 1)
+    assert "12 blocks in 1 unit(s)" in fsdp2_layout(gpt2, None, None, True)[2]
 
 
 def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
@@ -132,6 +157,21 @@ def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_ru
     rows = {r["file"]: r for r in list_checkpoints(str(root / "checkpoints"))}
     assert rows["last.ckpt/"]["step"] == 9 and rows["last.ckpt/"]["tokens"] == 9 * TOKENS_PER_STEP * 2
     assert rows["last.ckpt/"]["size"] > 1e6
+
+
+def test_fsdp_keep_last_rotates_sharded_checkpoint_directories(fsdp_runs):
+    """Checkpoint(keep_last=1) under FSDP2: each last.ckpt directory is kept as a step-N copy
+    (links to its shards), the older copy removed, and the copy survives last.ckpt's replacement
+    by the resumed run (step 9) with the step-6 state."""
+    root, first, _ = fsdp_runs
+    ckpts = root / "checkpoints"
+    kept = sorted(p.name for p in ckpts.glob("step-*.ckpt"))
+    assert kept == ["step-0000006.ckpt"], (kept, first[-2000:])
+    copy = ckpts / "step-0000006.ckpt"
+    assert copy.is_dir() and sorted(p.name for p in copy.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    rows = {r["file"]: r for r in list_checkpoints(str(ckpts))}
+    assert rows["step-0000006.ckpt/"]["step"] == 6 and rows["last.ckpt/"]["step"] == 9
 
 
 def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process(
@@ -258,11 +298,11 @@ def test_emulate_ranks_needs_matching_accumulation(tmp_path, small_vocab, capsys
 
 
 def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "torch",
-                  fp8: bool = False) -> None:
+                  fp8: bool = False, **shard: Any) -> None:
     """One of two ranks (gloo on the CPU, NCCL on two GPUs): a tiny Llama sharded with FSDP2 per
-    block as FSDP2Strategy shards it (BF16 gathers, fp32 reduction), one step per
-    activation-checkpointing mode under BF16 autocast (TE: FP8 delayed scaling with ``fp8``);
-    rank 0 saves each mode's loss and full gradients."""
+    block as FSDP2Strategy shards it (BF16 gathers, fp32 reduction; ``shard``: more arguments of
+    ``shard_model``), one step per activation-checkpointing mode under BF16 autocast (TE: FP8
+    delayed scaling with ``fp8``); rank 0 saves each mode's loss and full gradients."""
     import contextlib
     import os
 
@@ -298,7 +338,8 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
                            block_size=64, vocab_size=512)
         model = GPT(config, backend=backend, activation_checkpointing=mode).to(device)
         shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.float32))
+                                                                reduce_dtype=torch.float32),
+                    **shard)
         # FP8: a second pass over the same batch, compared there. The first pass's delayed-scaling
         # update between forward and backward changes the scales TE's MLP recompute (mlp) uses.
         for _ in range(2 if fp8 else 1):
@@ -315,6 +356,7 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
 
 def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
     """:func:`sharded_grads` on two spawned ranks; rank 0's results."""
+    import tempfile
     import functools
     import socket
 
@@ -323,7 +365,7 @@ def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "grads.pt"
+    out = Path(tempfile.mkdtemp(dir=tmp_path)) / "grads.pt"
     mp.start_processes(functools.partial(sharded_grads, **kwargs), args=(port, str(out), modes),
                        nprocs=2, start_method="spawn")
     return torch.load(out)
@@ -337,3 +379,17 @@ def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradie
     for mode in ("full", "mlp"):
         for name, grad in grads["none"].items():
             assert torch.equal(grads[mode][name], grad), (mode, name)
+
+
+def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradients(tmp_path):
+    """FSDP2Strategy(blocks_per_unit, reshard_after_forward=False): both blocks gathered and
+    reduced as one unit and not freed between forward and backward change when the collectives
+    run, not what they compute: the same loss and gradients, exactly (two gloo ranks), with and
+    without activation checkpointing."""
+    per_block = run_two_ranks(tmp_path, ("none", "full"))
+    grouped = run_two_ranks(tmp_path, ("none", "full"), blocks_per_unit=2,
+                            reshard_after_forward=False)
+    for mode in ("none", "full"):
+        assert per_block[mode].keys() == grouped[mode].keys()
+        for name, value in per_block[mode].items():
+            assert torch.equal(grouped[mode][name], value), (mode, name)

@@ -183,6 +183,9 @@ def test_the_example_under_fsdp2_on_two_ranks_saves_shards_and_resumes_exactly(t
     out, resumed = run(tmp_path / "last.ckpt", 3)
     assert "at step 2" in out and list(resumed) == ["3"]
     assert resumed["3"] == whole["3"], (resumed, whole)
+    # The FP8 plugin's and the guard's state came back too (Fabric's sharded load hands them
+    # back as dicts): the saved run's plugin event and this run's, the guard at the saved step
+    assert "(FP8 plugin history: 2 events; NaN guard at step 2)" in out, out[-1500:]
 
 
 def test_the_example_refuses_a_checkpoint_of_the_other_layout(tmp_path, capsys):

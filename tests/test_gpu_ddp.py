@@ -83,7 +83,7 @@ def test_activation_checkpointing_under_fsdp2_matches_none_on_two_gpus(tmp_path,
 
 def test_fabric_example_trains_fp8_under_fsdp2_on_two_gpus_and_resumes(tmp_path):
     """``examples/fabric_train.py --strategy fsdp --devices 2``: FabricFP8Precision under Fabric's
-    ModelParallelStrategy (FSDP2 per block) runs FP8, writes a directory of shards, and a resumed
+    ModelParallelStrategy (FSDP2 in units of blocks) runs FP8, writes a directory of shards, and a resumed
     run's loss follows the uninterrupted one's."""
     import subprocess
     import sys
