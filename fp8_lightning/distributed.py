@@ -111,8 +111,8 @@ def gather_policy(weights: str) -> Any:
 
 
 # Parameters per FSDP2 unit that amortise a unit's Python hooks and collective launches (FP8,
-# weights kept gathered, two H200s): GPT-2 124M made 213k tok/s per GPU with its 12 blocks in one
-# unit against 173k a block a unit, the 1.3B 38.7k with 6 blocks a unit against 28.6k; an 8B
+# weights kept gathered, two H200s): GPT-2 124M made 241k tok/s per GPU with its 12 blocks in one
+# unit against 203k a block a unit, the 1.3B 38.7k with 6 blocks a unit against 31.5k; an 8B
 # block (218M) is a unit alone.
 UNIT_PARAMS = 200_000_000
 

@@ -1,5 +1,5 @@
 """Summarise ``multi_gpu.sh`` logs: tok/s per strategy and GPU count (median of the monitor's
-lines after the first two), scaling against one GPU, and the loss/resume checks; the 8B
+lines after the first two, leaving out the two from StepProfile's window on), scaling against one GPU, and the loss/resume checks; the 8B
 table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-``, ``s8-``,
 ``tp8-`` logs).
 
@@ -18,6 +18,7 @@ LINE = re.compile(r"step (\d+) \| loss ([\d.]+|nan|inf) .*\| dt ([\d.]+)ms \| to
 VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
                  re.M)
 MEMORY = re.compile(r"memory: peak ([\d.]+) GiB in training")
+PROFILED = re.compile(r"profile: steps (\d+)-(\d+)")
 DEVICES = re.compile(r"=== devices: (\d+)")
 
 
@@ -27,12 +28,19 @@ def read(log: Path) -> dict:
     lines = [(int(m[1]), float(m[2]), float(m[3]), float(m[4].replace(",", "")), m[5])
              for m in LINE.finditer(text)]
     kept = lines[2:] or lines
+    profiled = PROFILED.search(text)
+    if profiled:  # leave out the line whose window held the profiled steps and the one after it
+        # (the profiler's trace is read after its window: those steps run slower, most under FSDP2)
+        first = int(profiled[1])
+        hit = next((i for i, x in enumerate(lines) if x[0] > first), None)
+        if hit is not None:
+            kept = [x for x in kept if x not in lines[hit:hit + 2]] or kept
     peak, devices = MEMORY.search(text), DEVICES.search(text)
     vals = list(VAL.finditer(text))
     val = {int(m[1]): float(m[2]) for m in vals}
     return {"lines": lines, "ms": statistics.median(x[2] for x in kept) if kept else None,
             "tok_s": statistics.median(x[3] for x in kept) if kept else None,
-            "mfu": kept[-1][4] if kept else None, "val": val,
+            "mfu": statistics.median_low([x[4] for x in kept]) if kept else None, "val": val,
             "val_peak": {int(m[1]): float(m[3]) if m[3] else None for m in vals},
             "last_val": val[max(val)] if val else None,
             "peak": float(peak[1]) if peak else None, "gpus": int(devices[1]) if devices else 1,
