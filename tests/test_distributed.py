@@ -371,22 +371,30 @@ def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
     return torch.load(out)
 
 
-def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(tmp_path):
+@pytest.fixture(scope="module")
+def per_block_grads(tmp_path_factory) -> dict:
+    """:func:`sharded_grads` on two gloo ranks, a block a unit, each block freed after forward."""
+    return run_two_ranks(tmp_path_factory.mktemp("grads"), ("none", "full", "mlp"))
+
+
+def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(
+        per_block_grads):
     """Recomputing a sharded block in the backward (full, mlp) reproduces the gradients of no
     checkpointing exactly, on the PyTorch backend over two gloo ranks."""
-    grads = run_two_ranks(tmp_path, ("none", "full", "mlp"))
+    grads = per_block_grads
     assert len(grads["none"]) > 10
     for mode in ("full", "mlp"):
         for name, grad in grads["none"].items():
             assert torch.equal(grads[mode][name], grad), (mode, name)
 
 
-def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradients(tmp_path):
+def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradients(
+        per_block_grads, tmp_path):
     """FSDP2Strategy(blocks_per_unit, reshard_after_forward=False): both blocks gathered and
     reduced as one unit and not freed between forward and backward change when the collectives
     run, not what they compute: the same loss and gradients, exactly (two gloo ranks), with and
     without activation checkpointing."""
-    per_block = run_two_ranks(tmp_path, ("none", "full"))
+    per_block = per_block_grads
     grouped = run_two_ranks(tmp_path, ("none", "full"), blocks_per_unit=2,
                             reshard_after_forward=False)
     for mode in ("none", "full"):
