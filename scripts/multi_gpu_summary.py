@@ -22,6 +22,12 @@ PROFILED = re.compile(r"profile: steps (\d+)-(\d+)")
 DEVICES = re.compile(r"=== devices: (\d+)")
 
 
+def median_mfu(values: list[str]) -> Optional[str]:
+    """The median of the monitor's MFU fields ("45.4%", or "n/a" where unknown), as printed."""
+    known = sorted((v for v in values if v.endswith("%")), key=lambda v: float(v[:-1]))
+    return known[(len(known) - 1) // 2] if known else (values[0] if values else None)
+
+
 def read(log: Path) -> dict:
     """One run's log: its monitor lines (steady: after the first two), validations and memory."""
     text = log.read_text(errors="replace")
@@ -40,7 +46,7 @@ def read(log: Path) -> dict:
     val = {int(m[1]): float(m[2]) for m in vals}
     return {"lines": lines, "ms": statistics.median(x[2] for x in kept) if kept else None,
             "tok_s": statistics.median(x[3] for x in kept) if kept else None,
-            "mfu": statistics.median_low([x[4] for x in kept]) if kept else None, "val": val,
+            "mfu": median_mfu([x[4] for x in kept]), "val": val,
             "val_peak": {int(m[1]): float(m[3]) if m[3] else None for m in vals},
             "last_val": val[max(val)] if val else None,
             "peak": float(peak[1]) if peak else None, "gpus": int(devices[1]) if devices else 1,
