@@ -163,12 +163,12 @@ class FP8LightningCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         # Our own components check their arguments and raise one ConfigError. Instantiated by
-        # jsonargparse inside the `trainer.plugins`/`trainer.callbacks` unions, that message is
+        # jsonargparse inside the `trainer.plugins`/`callbacks`/`strategy` unions, that message is
         # buried in an 80-line dump of every type the key could have had; built here first, the
         # error is the component's own. (Their constructors only validate and store.)
         config = self.config.get(self.config.get("subcommand") or "", self.config)
         trainer = config.get("trainer") or Namespace()
-        for key in ("plugins", "callbacks"):
+        for key in ("plugins", "callbacks", "strategy"):
             items = trainer.get(key)
             for item in items if isinstance(items, list) else [items]:
                 if isinstance(item, Namespace) and str(item.get("class_path", "")).startswith(

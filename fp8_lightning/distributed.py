@@ -27,6 +27,7 @@ That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -92,11 +93,29 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
     blocks = list(gpt.blocks)
     n = max(1, blocks_per_unit)
     units = [blocks[i:i + n] for i in range(0, len(blocks), n)]
+    dtype = getattr(mp_policy, "param_dtype", None)
+    cast = dtype is not None and getattr(mp_policy, "cast_forward_inputs", False)
     for i, unit in enumerate(units):
         fully_shard(unit if len(unit) > 1 else unit[0],
                     reshard_after_forward=reshard_after_forward and i < len(units) - 1, **kwargs)
+        for block in unit[1:] if cast else ():
+            # PyTorch before pytorch/pytorch#180428 casts the forward inputs of a unit's first
+            # block only: the later ones would get the RoPE tables in fp32, so a run's numerics
+            # would depend on the grouping. Cast them as for a unit of one block.
+            block.register_forward_pre_hook(functools.partial(_cast_floating_inputs, dtype),
+                                            with_kwargs=True)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(gpt, reshard_after_forward=False, **kwargs)
+
+
+def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict
+                          ) -> tuple[tuple, dict]:
+    from torch.utils._pytree import tree_map_only
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) else t
+
+    return tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
 
 
 def gather_policy(weights: str) -> Any:
@@ -182,7 +201,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         problems = []
         if param_dtype not in ("bfloat16", "float32"):
             problems.append(f"param_dtype={param_dtype!r}; valid: bfloat16, float32")
-        if blocks_per_unit is not None and (not isinstance(blocks_per_unit, int)
+        if blocks_per_unit is not None and (isinstance(blocks_per_unit, bool)
+                                            or not isinstance(blocks_per_unit, int)
                                             or blocks_per_unit < 1):
             problems.append(f"blocks_per_unit={blocks_per_unit!r}; valid: an integer >= 1")
         if problems:

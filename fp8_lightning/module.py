@@ -241,6 +241,7 @@ class GPTLightningModule(L.LightningModule):
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
         stop with the levers that would make it fit when it cannot (``model.memory_check``)."""
+        self.fits_one_gpu = None  # this fit's answer, or none
         trainer = self._trainer
         device = trainer.strategy.root_device if trainer is not None else None
         if device is None or device.type != "cuda" or not trainer.training:

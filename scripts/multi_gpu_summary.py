@@ -1,5 +1,5 @@
 """Summarise ``multi_gpu.sh`` logs: tok/s per strategy and GPU count (median of the monitor's
-lines after the first two, leaving out the two from StepProfile's window on), scaling against one GPU, and the loss/resume checks; the 8B
+lines after the first two, leaving out those from StepProfile's steps on and the next), scaling against one GPU, and the loss/resume checks; the 8B
 table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-``, ``s8-``,
 ``tp8-`` logs).
 
@@ -35,12 +35,14 @@ def read(log: Path) -> dict:
              for m in LINE.finditer(text)]
     kept = lines[2:] or lines
     profiled = PROFILED.search(text)
-    if profiled:  # leave out the line whose window held the profiled steps and the one after it
-        # (the profiler's trace is read after its window: those steps run slower, most under FSDP2)
-        first = int(profiled[1])
-        hit = next((i for i, x in enumerate(lines) if x[0] > first), None)
-        if hit is not None:
-            kept = [x for x in kept if x not in lines[hit:hit + 2]] or kept
+    if profiled:  # leave out the lines whose window (previous line's step, step] holds a
+        # profiled step (monitor steps A+1..B+1) or the one after, when the trace is read, and the
+        # next line: under FSDP2 those ran up to 2x and ~20% slower (not on one GPU)
+        first, last = int(profiled[1]) + 1, int(profiled[2]) + 2
+        hit = [i for i, x in enumerate(lines)
+               if x[0] >= first and (lines[i - 1][0] if i else 0) < last]
+        dropped = {lines[i][0] for i in hit + [hit[-1] + 1] if i < len(lines)} if hit else set()
+        kept = [x for x in kept if x[0] not in dropped] or kept
     peak, devices = MEMORY.search(text), DEVICES.search(text)
     vals = list(VAL.finditer(text))
     val = {int(m[1]): float(m[2]) for m in vals}

@@ -182,6 +182,12 @@ CHECKPOINTS = [
     ("checkpoints-option-typo", ["checkpoints", "--directoy", "{tmp}"], "--directoy"),
 ]
 SHARDED = [
+    ("fsdp-units-zero", fit("--config", "configs/fsdp.yaml", "--trainer.accelerator", "cpu",
+                            "--trainer.strategy.init_args.blocks_per_unit", "0"),
+     "blocks_per_unit=0; valid: an integer >= 1"),
+    ("fsdp-param-dtype", fit("--config", "configs/fsdp.yaml", "--trainer.accelerator", "cpu",
+                             "--trainer.strategy.init_args.param_dtype", "float16"),
+     "param_dtype='float16'; valid: bfloat16, float32"),
     ("consolidate-missing", ["consolidate", "{tmp}/nope.ckpt"], "nope.ckpt' does not exist"),
     ("consolidate-single-file", ["consolidate", "{ckpt}"], "is already a single file"),
     ("consolidate-output-is-dir", ["consolidate", "{tmp}/sharded.ckpt", "{tmp}"], "is a directory"),
