@@ -12,9 +12,9 @@
 #                  to PROFILE_AT+4 into GPU compute, exposed communication and GPU idle per rank
 #   plain-gpt2 | plain-gpt-1.3b   benchmarks/plain_pytorch.py (no Lightning, BF16 compiled) on 1
 #                  GPU, then each of STRATEGIES on each of GPUS through torchrun
-#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the 4 ranks' samples
-#                  (data.emulate_ranks 4, batch 8 x 4 accumulated: at every step exactly the
-#                  samples of the 4-GPU runs), DDP and FSDP2 on 4 GPUs (batch 8 each); val loss
+#   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
+#                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
+#                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
 #                  at step 200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to
 #                  step 200 (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
 #   resume-gpt2    only the FSDP2 part of loss-gpt2
@@ -40,7 +40,8 @@
 # gradients all-reduced in BF16; fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
 # fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
 # combined as fsdp-reshard-g1-compiled), COMPILE (unset:
-# model.compile's default), PROFILE_AT (default 50), SINGLE (default 1; 0 skips the one-GPU runs);
+# model.compile's default), PROFILE_AT (default 50), SINGLE (default 1; 0 skips the one-GPU runs),
+# LOSS_GPUS (default 4: loss-gpt2's and resume-gpt2's several-GPU count);
 # for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
@@ -192,28 +193,34 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
     done
 }
 
+LOSS_GPUS=${LOSS_GPUS:-4}  # the several-GPU count of loss-gpt2 / resume-gpt2 (2, 4 or 8)
+LOSS_BATCH=$((32 / LOSS_GPUS))  # per GPU: the global batch stays 32 x 1024
+
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
     data1k || return
+    local n=$LOSS_GPUS
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
-    fit loss-1gpu 1 none "${args[@]}" --data.batch_size 8 --trainer.accumulate_grad_batches 4 \
-        --data.emulate_ranks 4
-    fit loss-ddp-4gpu 4 configs/ddp.yaml "${args[@]}" --data.batch_size 8
+    fit loss-1gpu 1 none "${args[@]}" --data.batch_size "$LOSS_BATCH" \
+        --trainer.accumulate_grad_batches "$n" --data.emulate_ranks "$n"
+    fit "loss-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH"
     resume
 }
 
-resume() {  # FSDP2 (4 GPUs), sharded checkpoints at 100 and 200; resume step 100 -> 200; consolidate
+resume() {  # FSDP2 (LOSS_GPUS), sharded checkpoints at 100 and 200; resume 100 -> 200; consolidate
     data1k || return
+    local n=$LOSS_GPUS
+    local name="loss-fsdp-${n}gpu"
     local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
                 --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     # This one samples text at its validation: under FSDP every rank runs the sampler.
-    fit loss-fsdp-4gpu 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
+    fit "$name" "$n" configs/fsdp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH" \
         --trainer.callbacks.init_args.sample_prompt "import torch"
-    ls -la "$OUT/loss-fsdp-4gpu/checkpoints" "$OUT/loss-fsdp-4gpu/checkpoints/last.ckpt" | tee "$OUT/fsdp-ckpt-ls.txt"
-    $PYTHON -m fp8_lightning checkpoints "$OUT/loss-fsdp-4gpu" | tee "$OUT/fsdp-checkpoints.txt"
-    fit loss-fsdp-4gpu-resumed 4 configs/fsdp.yaml "${args[@]}" --data.batch_size 8 \
-        --ckpt_path "$OUT/loss-fsdp-4gpu/checkpoints/step-0000100.ckpt"
-    $PYTHON -m fp8_lightning consolidate "$OUT/loss-fsdp-4gpu/checkpoints/last.ckpt" "$OUT/consolidated.ckpt" \
+    ls -la "$OUT/$name/checkpoints" "$OUT/$name/checkpoints/last.ckpt" | tee "$OUT/fsdp-ckpt-ls.txt"
+    $PYTHON -m fp8_lightning checkpoints "$OUT/$name" | tee "$OUT/fsdp-checkpoints.txt"
+    fit "$name-resumed" "$n" configs/fsdp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH" \
+        --ckpt_path "$OUT/$name/checkpoints/step-0000100.ckpt"
+    $PYTHON -m fp8_lightning consolidate "$OUT/$name/checkpoints/last.ckpt" "$OUT/consolidated.ckpt" \
         && CUDA_VISIBLE_DEVICES=0 $PYTHON -m fp8_lightning generate --ckpt "$OUT/consolidated.ckpt" \
             --prompt "import torch" --max_new_tokens 24 --backend torch 2>&1 | tail -2 | tee "$OUT/generate.txt"
     rm -f "$OUT/consolidated.ckpt"
