@@ -109,7 +109,11 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict
-                          ) -> tuple[tuple, dict]:
+                          ) -> Optional[tuple[tuple, dict]]:
+    # Block.forward(x, *rope) takes tensors only: the common case (all cast) returns at once
+    if not kwargs and all(not isinstance(a, torch.Tensor) or not a.is_floating_point()
+                          or a.dtype == dtype for a in args):
+        return None
     from torch.utils._pytree import tree_map_only
 
     def cast(t: torch.Tensor) -> torch.Tensor:

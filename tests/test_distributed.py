@@ -308,10 +308,8 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from fp8_lightning.config import GPTConfig
-    from fp8_lightning.distributed import shard_model
+    from fp8_lightning.distributed import gather_policy, shard_model
     from fp8_lightning.model import GPT
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -337,9 +335,7 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
         config = GPTConfig(name="tiny-llama", n_layer=2, n_embd=128, ffn_hidden=256,
                            block_size=64, vocab_size=512)
         model = GPT(config, backend=backend, activation_checkpointing=mode).to(device)
-        shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.float32),
-                    **shard)
+        shard_model(model, mesh, mp_policy=gather_policy("bf16-mixed"), **shard)
         # FP8: a second pass over the same batch, compared there. The first pass's delayed-scaling
         # update between forward and backward changes the scales TE's MLP recompute (mlp) uses.
         for _ in range(2 if fp8 else 1):
@@ -401,3 +397,16 @@ def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradie
         assert per_block[mode].keys() == grouped[mode].keys()
         for name, value in per_block[mode].items():
             assert torch.equal(grouped[mode][name], value), (mode, name)
+
+
+def test_a_units_later_blocks_get_their_floating_inputs_cast_as_its_first():
+    """The pre-hook shard_model puts on a unit's later blocks (PyTorch before #180428 casts the
+    first block's inputs only): floating tensors to the gather dtype, others as they are; nothing
+    done (None) when every input already has it."""
+    from fp8_lightning.distributed import _cast_floating_inputs
+
+    x, cos, ids = torch.ones(2, 3), torch.ones(3, dtype=torch.float64), torch.arange(3)
+    args, kwargs = _cast_floating_inputs(torch.bfloat16, None, (x, cos, ids), {"s": torch.ones(1)})
+    assert [a.dtype for a in args] == [torch.bfloat16, torch.bfloat16, torch.int64]
+    assert kwargs["s"].dtype == torch.bfloat16
+    assert _cast_floating_inputs(torch.bfloat16, None, (x.bfloat16(), ids), {}) is None
