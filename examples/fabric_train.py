@@ -35,11 +35,11 @@ import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from fp8_lightning.checkpoint import publish_directory, safe_lightning_dcp_loads
+from fp8_lightning.checkpoint import publish_directory
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.distributed import fsdp2_layout, gather_policy, shard_model
-from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
+from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard, load
 from fp8_lightning.fp8 import RECIPES
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
@@ -78,8 +78,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--devices", default="1", help="a count, or auto (every GPU)")
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"],
-                        help="several devices: ddp (DistributedDataParallel) or fsdp (FSDP2 per "
-                             "block, BF16 gathers; the checkpoint becomes a directory of shards)")
+                        help="several devices: ddp (DistributedDataParallel) or fsdp (FSDP2 in "
+                             "units of blocks, BF16 gathers; the checkpoint becomes a directory "
+                             "of shards)")
     args = parser.parse_args(argv)
     if args.strategy == "fsdp" and not args.devices.isdigit():
         parser.error(f"--strategy fsdp needs --devices N, a count (got {args.devices!r})")
@@ -138,26 +139,6 @@ def save(fabric: L.Fabric, path: str, state: dict) -> None:
     fabric.barrier()
 
 
-def load(fabric: L.Fabric, path: str, state: dict) -> None:
-    """``fabric.load`` of ``state``, the FP8 plugin's and the guard's state included.
-
-    No code runs from a checkpoint: tensors only, and a sharded one's .metadata through the
-    package's allow-listing reader (DCP's own unpickles it). Fabric's ModelParallelStrategy
-    puts a directory checkpoint's saved state of the other stateful objects into ``state`` in
-    place of the objects (``state[key] = metadata.pop(key)`` in its ``_load_checkpoint``; its
-    one-file path calls their ``load_state_dict``), so those are loaded here.
-    """
-    stateful = {key: obj for key, obj in state.items()
-                if callable(getattr(obj, "load_state_dict", None))
-                and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
-    with safe_lightning_dcp_loads():
-        fabric.load(path, state, weights_only=True)
-    for key, obj in stateful.items():
-        if state[key] is not obj:  # the saved dict, not loaded into the object
-            obj.load_state_dict(state[key])
-            state[key] = obj
-
-
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -189,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin,
              "guard": guard, "step": 0}
     if os.path.exists(args.ckpt) and not args.fresh:
-        load(fabric, args.ckpt, state)
+        load(fabric, args.ckpt, state)  # safely, the plugin's and the guard's state included
         fabric.print(f"resumed from {args.ckpt} at step {state['step']} (FP8 plugin history: "
                      f"{len(plugin.history)} events; NaN guard at step {guard.global_step})")
     fabric.print(f"precision: {plugin.tag}")

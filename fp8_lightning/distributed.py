@@ -140,6 +140,12 @@ def gather_policy(weights: str) -> Any:
 UNIT_PARAMS = 200_000_000
 
 
+def reshards(reshard_after_forward: Optional[bool], fits_one_gpu: Optional[bool]) -> bool:
+    """FSDP2Strategy's ``reshard_after_forward`` as it runs: as set, or (None) free the weights
+    after forward unless the run fits one GPU unsharded (then they cost less than DDP's copy)."""
+    return not fits_one_gpu if reshard_after_forward is None else reshard_after_forward
+
+
 def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
                  blocks_per_unit: Optional[int], fits_one_gpu: Optional[bool]
                  ) -> tuple[bool, int, str]:
@@ -149,7 +155,7 @@ def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
     into units of about ``UNIT_PARAMS`` parameters."""
     why = []
     if reshard_after_forward is None:
-        reshard_after_forward = not fits_one_gpu
+        reshard_after_forward = reshards(None, fits_one_gpu)
         why.append("weights kept gathered from forward to backward: the run fits one GPU"
                    if fits_one_gpu else "weights freed after each unit's forward: the run does not"
                    " fit one GPU unsharded" if fits_one_gpu is False else

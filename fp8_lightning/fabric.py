@@ -16,6 +16,9 @@ and restored like a module::
     fabric.save(path, state)
     fabric.load(path, state)  # after fabric.setup (before works too: applied at set-up)
 
+Under FSDP2 (a directory of shards) load with :func:`load` instead: Fabric hands the plugin's
+state back as a dict there rather than loading it.
+
 :class:`FabricNaNGuard` is :class:`~fp8_lightning.callbacks.guard.NaNGuard` driven from a Fabric loop.
 """
 
@@ -29,10 +32,11 @@ from lightning_utilities import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
-from .config import ConfigError
-from .fp8 import FP8PrecisionBase
 from .callbacks.guard import NaNGuard
+from .checkpoint import safe_lightning_dcp_loads
+from .config import ConfigError
 from .distributed import full_tensor
+from .fp8 import FP8PrecisionBase
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
@@ -181,3 +185,25 @@ class FabricNaNGuard(NaNGuard):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._loop.global_step = int(state_dict.get("global_step", 0))
+
+
+def load(fabric: Fabric, path: Any, state: dict[str, Any]) -> None:
+    """``fabric.load(path, state)`` with nothing run from the checkpoint, and every stateful
+    object of ``state`` (the FP8 plugin, the guard, a scheduler) loaded, whatever the layout.
+
+    Tensors only (``weights_only``), and a sharded checkpoint's ``.metadata`` through the
+    package's allow-listing reader (DCP's own unpickles it). Fabric's ``ModelParallelStrategy``
+    puts a directory checkpoint's saved state of objects other than modules and optimizers into
+    ``state`` in place of the objects (``state[key] = metadata.pop(key)`` in its
+    ``_load_checkpoint``; its one-file path calls their ``load_state_dict``): without this an FP8
+    run resumed under FSDP2 started its scaling state afresh (its next loss 7.77 against 7.20).
+    """
+    stateful = {key: obj for key, obj in state.items()
+                if callable(getattr(obj, "load_state_dict", None))
+                and not isinstance(obj, (nn.Module, torch.optim.Optimizer))}
+    with safe_lightning_dcp_loads():
+        fabric.load(path, state, weights_only=True)
+    for key, obj in stateful.items():
+        if state[key] is not obj:  # the saved dict, handed back instead of loaded
+            obj.load_state_dict(state[key])
+            state[key] = obj

@@ -9,9 +9,10 @@ The estimate counts, per GPU:
 - **weights**: the master copies (4 B/param in fp32, 2 in ``bf16-true``), sharded over the
   FSDP2 group; plus the step's working copies of the GEMM weights (BF16 casts under autocast,
   or TE's FP8 weights and their transposes: 2 B per GEMM weight), under FSDP2 those of the two
-  blocks gathered at a time (units of several blocks gather more: not counted) and of the root (embedding, LM head), which stays gathered, or of
-  every block where the weights stay gathered from forward to backward, plus TE's FP8 weights
-  and transposes kept for the backward of every block not checkpointed;
+  blocks gathered at a time (units of several blocks gather more: not counted) and of the root
+  (embedding, LM head), which stays gathered, or of every block where the weights stay gathered
+  from forward to backward, plus TE's FP8 weights and transposes kept for the backward of every
+  block not checkpointed;
 - **gradients**: one per parameter in the master dtype, sharded (under FSDP2 the LM head's
   gradient is whole until its reduce-scatter);
 - **optimizer**: AdamW's two moments in the master dtype, sharded;

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
-from .distributed import full_tensor, is_sharded
+from .distributed import full_tensor, is_sharded, reshards
 from .fp8.plugin import fp8_plugin
 from .layers import runs_float8
 from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
@@ -262,8 +262,8 @@ class GPTLightningModule(L.LightningModule):
         budget = budget.item()
         if run.shards > 1:  # FSDP2: would it fit unsharded (FSDP2Strategy keeps weights gathered)?
             self.fits_one_gpu = estimate_memory(c, replace(run, shards=1)).total <= budget
-            keep = getattr(trainer.strategy, "reshard_after_forward", True)
-            run = replace(run, keep_gathered=self.fits_one_gpu if keep is None else not keep)
+            setting = getattr(trainer.strategy, "reshard_after_forward", True)
+            run = replace(run, keep_gathered=not reshards(setting, self.fits_one_gpu))
         rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
                        f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
                        "(fp8_lightning/memory.py)")

@@ -195,15 +195,15 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
 
 LOSS_GPUS=${LOSS_GPUS:-4}  # the several-GPU count of loss-gpt2 / resume-gpt2 (2, 4 or 8)
 LOSS_BATCH=$((32 / LOSS_GPUS))  # per GPU: the global batch stays 32 x 1024
+LOSS_ARGS=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
+           --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
 
 loss() {  # 200 steps, global batch 32 x 1024, val loss at 200; then resume FSDP2 from step 100
     data1k || return
     local n=$LOSS_GPUS
-    local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
-                --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
-    fit loss-1gpu 1 none "${args[@]}" --data.batch_size "$LOSS_BATCH" \
+    fit loss-1gpu 1 none "${LOSS_ARGS[@]}" --data.batch_size "$LOSS_BATCH" \
         --trainer.accumulate_grad_batches "$n" --data.emulate_ranks "$n"
-    fit "loss-ddp-${n}gpu" "$n" configs/ddp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH"
+    fit "loss-ddp-${n}gpu" "$n" configs/ddp.yaml "${LOSS_ARGS[@]}" --data.batch_size "$LOSS_BATCH"
     resume
 }
 
@@ -211,14 +211,12 @@ resume() {  # FSDP2 (LOSS_GPUS), sharded checkpoints at 100 and 200; resume 100 
     data1k || return
     local n=$LOSS_GPUS
     local name="loss-fsdp-${n}gpu"
-    local args=(--config "$OUT/loss.yaml" --trainer.max_steps 200 --trainer.val_check_interval 200
-                --trainer.limit_val_batches 40 --trainer.log_every_n_steps 50 --model.warmup_steps 50)
     # This one samples text at its validation: under FSDP every rank runs the sampler.
-    fit "$name" "$n" configs/fsdp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH" \
+    fit "$name" "$n" configs/fsdp.yaml "${LOSS_ARGS[@]}" --data.batch_size "$LOSS_BATCH" \
         --trainer.callbacks.init_args.sample_prompt "import torch"
     ls -la "$OUT/$name/checkpoints" "$OUT/$name/checkpoints/last.ckpt" | tee "$OUT/fsdp-ckpt-ls.txt"
     $PYTHON -m fp8_lightning checkpoints "$OUT/$name" | tee "$OUT/fsdp-checkpoints.txt"
-    fit "$name-resumed" "$n" configs/fsdp.yaml "${args[@]}" --data.batch_size "$LOSS_BATCH" \
+    fit "$name-resumed" "$n" configs/fsdp.yaml "${LOSS_ARGS[@]}" --data.batch_size "$LOSS_BATCH" \
         --ckpt_path "$OUT/$name/checkpoints/step-0000100.ckpt"
     $PYTHON -m fp8_lightning consolidate "$OUT/$name/checkpoints/last.ckpt" "$OUT/consolidated.ckpt" \
         && CUDA_VISIBLE_DEVICES=0 $PYTHON -m fp8_lightning generate --ckpt "$OUT/consolidated.ckpt" \
