@@ -12,6 +12,9 @@
 #                  to PROFILE_AT+4 into GPU compute, exposed communication and GPU idle per rank
 #   plain-gpt2 | plain-gpt-1.3b   benchmarks/plain_pytorch.py (no Lightning, BF16 compiled) on 1
 #                  GPU, then each of STRATEGIES on each of GPUS through torchrun
+#   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one call: plain script,
+#                  package BF16, FP8 (TE delayed; torchao tensorwise under FSDP2) and, for GPT-2,
+#                  examples/fabric_train.py, on 1 GPU (two runs at a time, one per GPU) and 2 GPUs
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
 #                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
 #                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
@@ -97,8 +100,9 @@ trainer:
         sample_prompt: null
 YAML
 
-keep() {  # keep FILE...: append files of OUT to ARCHIVE, when set
-    [ -n "${ARCHIVE:-}" ] && tar -rf "$ARCHIVE" -C "$OUT" "$@"
+keep() {  # keep FILE...: append files of OUT to ARCHIVE, when set (locked: a pair's two runs
+    # may end together)
+    [ -n "${ARCHIVE:-}" ] && (flock 9 && tar -rf "$ARCHIVE" -C "$OUT" "$@") 9> "$ARCHIVE.lock"
     return 0
 }
 
@@ -149,48 +153,98 @@ strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGI
 }
 BF16_HOOK=torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook
 
-plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then DDP and FSDP2 on GPUS
-    local model=$1 batch=$2 n s
+plain_run() {  # plain_run MODEL BATCH single|ddp|fsdp GPUS: one run of benchmarks/plain_pytorch.py
+    local model=$1 batch=$2 s=$3 n=$4 name
     local args=(--model "$model" --batch_size "$batch" --steps "$STEPS")
-    if [ "${SINGLE:-1}" = 1 ]; then
-        echo "=== plain-$model-1gpu"
-        CUDA_VISIBLE_DEVICES=0 timeout "${FIT_TIMEOUT:-420}" $PYTHON benchmarks/plain_pytorch.py "${args[@]}" \
-            > "$OUT/plain-$model-1gpu.log" 2>&1
-        keep "plain-$model-1gpu.log"
+    if [ "$s" = single ]; then
+        name="plain-$model-1gpu"
+        echo "=== $name"
+        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${FIT_TIMEOUT:-420}" \
+            $PYTHON benchmarks/plain_pytorch.py "${args[@]}" > "$OUT/$name.log" 2>&1
+    else
+        name="plain-$model-$s-${n}gpu"
+        echo "=== $name"
+        timeout "${FIT_TIMEOUT:-420}" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
+            benchmarks/plain_pytorch.py "${args[@]}" --strategy "$s" > "$OUT/$name.log" 2>&1
     fi
-    for n in $GPUS; do
-        [ "$n" -le "$NGPU" ] || continue
-        for s in $STRATEGIES; do
-            echo "=== plain-$model-$s-${n}gpu"
-            timeout "${FIT_TIMEOUT:-420}" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
-                benchmarks/plain_pytorch.py "${args[@]}" --strategy $s > "$OUT/plain-$model-$s-${n}gpu.log" 2>&1
-            keep "plain-$model-$s-${n}gpu.log"
-        done
-    done
-    tail -qn1 "$OUT"/plain-"$model"-*.log
+    keep "$name.log"
+    tail -n1 "$OUT/$name.log"
 }
 
-throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP and FSDP2 on GPUS
-    data1k || return
-    local model=$1 batch=$2 prec cfg n s strat
+plain() {  # plain MODEL BATCH: benchmarks/plain_pytorch.py on 1 GPU, then each of STRATEGIES on GPUS
+    local n s
+    [ "${SINGLE:-1}" = 1 ] && plain_run "$1" "$2" single 1
+    for n in $GPUS; do
+        [ "$n" -le "$NGPU" ] || continue
+        for s in $STRATEGIES; do plain_run "$1" "$2" "$s" "$n"; done
+    done
+}
+
+tp_run() {  # tp_run MODEL BATCH PRECISION single|STRATEGY GPUS: one fit of the throughput runs
+    local model=$1 batch=$2 prec=$3 s=$4 n=$5 cfg strat
+    cfg=($(precision_args "$prec")) || return
     # StepProfile splits steps PROFILE_AT.. into GPU compute, exposed communication and GPU idle
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
                 --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10
                 --trainer.callbacks+=fp8_lightning.StepProfile
                 --trainer.callbacks.start_step "${PROFILE_AT:-50}")
     [ -n "${COMPILE:-}" ] && args+=(--model.compile "$COMPILE")
+    if [ "$s" = single ]; then
+        CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
+        return
+    fi
+    strat=($(strategy_args "$s")) || return
+    CONFIG=${cfg[0]} fit "tp-$model-$prec-$s-${n}gpu" "$n" "${strat[0]}" "${args[@]}" \
+        "${cfg[@]:1}" "${strat[@]:1}"
+}
+
+throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP and FSDP2 on GPUS
+    data1k || return
+    local prec n s
     for prec in $PRECISIONS; do
-        cfg=($(precision_args "$prec")) || continue
-        [ "${SINGLE:-1}" = 1 ] && CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
+        [ "${SINGLE:-1}" = 1 ] && tp_run "$1" "$2" "$prec" single 1
         for n in $GPUS; do
             [ "$n" -le "$NGPU" ] || continue
-            for s in $STRATEGIES; do
-                strat=($(strategy_args "$s")) || continue
-                CONFIG=${cfg[0]} fit "tp-$model-$prec-$s-${n}gpu" "$n" "${strat[0]}" "${args[@]}" \
-                    "${cfg[@]:1}" "${strat[@]:1}"
-            done
+            for s in $STRATEGIES; do tp_run "$1" "$2" "$prec" "$s" "$n"; done
         done
     done
+}
+
+fabric_run() {  # fabric_run single|ddp|fsdp GPUS: examples/fabric_train.py, GPT-2 124M, 16 x 1024
+    local s=$1 n=$2 name start=$SECONDS
+    local args=(--model gpt2 --batch_size 16 --seq_len 1024 --corpus_chars 1100000 --steps "$STEPS"
+                --log_every 10 --save_every 100000 --compile --fresh)
+    if [ "$s" = single ]; then name=fabric-gpt2-1gpu; else
+        name="fabric-gpt2-$s-${n}gpu"; args+=(--devices "$n" --strategy "$s"); fi
+    echo "=== $name"
+    echo "=== devices: $n" > "$OUT/$name.log"
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} timeout "${FIT_TIMEOUT:-420}" \
+        $PYTHON examples/fabric_train.py "${args[@]}" --ckpt "$OUT/$name.ckpt" >> "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    rm -rf "$OUT/$name.ckpt"
+    keep "$name.log"
+}
+
+table() {  # table MODEL BATCH: every row of docs/benchmarks.md's two-GPU table of MODEL, one call
+    # The one-GPU runs go two at a time, one per GPU, started together (FP8 beside the plain
+    # BF16 script, the package's BF16 beside the Fabric example): the whole table then fits one
+    # device call. Then on both GPUs: the plain script (DDP, FSDP2), the package's BF16 (DDP),
+    # FP8 TE delayed (DDP, FSDP2), torchao tensorwise (FSDP2, where it is the faster engine) and,
+    # for GPT-2, the Fabric example (DDP, FSDP2).
+    local model=$1 batch=$2 s
+    data1k || return
+    CUDA_VISIBLE_DEVICES=0 plain_run "$model" "$batch" single 1 &
+    CUDA_VISIBLE_DEVICES=1 tp_run "$model" "$batch" fp8 single 1 &
+    wait
+    CUDA_VISIBLE_DEVICES=0 tp_run "$model" "$batch" bf16 single 1 &
+    [ "$model" = gpt2 ] && CUDA_VISIBLE_DEVICES=1 fabric_run single 1 &
+    wait
+    for s in ddp fsdp; do plain_run "$model" "$batch" "$s" 2; done
+    # the package's BF16 on two GPUs at GPT-2 only: at 1.3B the call's 10 minutes do not hold it
+    [ "$model" = gpt2 ] && tp_run "$model" "$batch" bf16 ddp 2
+    for s in ddp fsdp; do tp_run "$model" "$batch" fp8 "$s" 2; done
+    tp_run "$model" "$batch" fp8-tensorwise fsdp 2
+    if [ "$model" = gpt2 ]; then for s in ddp fsdp; do fabric_run "$s" 2; done; fi
 }
 
 LOSS_GPUS=${LOSS_GPUS:-4}  # the several-GPU count of loss-gpt2 / resume-gpt2 (2, 4 or 8)
@@ -341,6 +395,8 @@ for j in "$@"; do
         throughput-gpt-1.3b) throughput gpt-1.3b 8 ;;
         plain-gpt2)          plain gpt2 16 ;;
         plain-gpt-1.3b)      plain gpt-1.3b 8 ;;
+        table-gpt2)          table gpt2 16 ;;
+        table-gpt-1.3b)      table gpt-1.3b 8 ;;
         loss-gpt2)           loss ;;
         resume-gpt2)         resume ;;
         table-8b)            table8b ;;
@@ -348,7 +404,7 @@ for j in "$@"; do
         resume-8b)           resume8b ;;
         scaling-8b)          scaling8b ;;
         throughput-8b)       throughput8b ;;
-        *) echo "unknown job $j; valid: throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
+        *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
                 "table-8b eval-8b resume-8b scaling-8b throughput-8b"; exit 2 ;;
     esac
 done
@@ -357,4 +413,4 @@ $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 keep summary.txt
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
-    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* loss-* t8-* e8-* r8-* s8-* tp8-*)
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* tp8-*)

@@ -17,6 +17,9 @@ LINE = re.compile(r"step (\d+) \| loss ([\d.]+|nan|inf) .*\| dt ([\d.]+)ms \| to
                   r"mfu ([\d.]+%|n/a)")
 VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+) GiB[^\n]*)?$",
                  re.M)
+# examples/fabric_train.py's line (tok/s per GPU, no MFU)
+FABRIC_LINE = re.compile(r"step +(\d+) \| loss ([\d.]+|nan|inf) \| lr \S+ \| (\d+) ms/step \| "
+                         r"tok/s per GPU ([\d,]+)")
 MEMORY = re.compile(r"memory: peak ([\d.]+) GiB in training")
 PROFILED = re.compile(r"profile: steps (\d+)-(\d+)")
 DEVICES = re.compile(r"=== devices: (\d+)")
@@ -33,6 +36,11 @@ def read(log: Path) -> dict:
     text = log.read_text(errors="replace")
     lines = [(int(m[1]), float(m[2]), float(m[3]), float(m[4].replace(",", "")), m[5])
              for m in LINE.finditer(text)]
+    devices = DEVICES.search(text)
+    gpus = int(devices[1]) if devices else 1
+    if not lines:  # the Fabric example's lines: tok/s per GPU, made the run's like the monitor's
+        lines = [(int(m[1]), float(m[2]), float(m[3]), gpus * float(m[4].replace(",", "")), "n/a")
+                 for m in FABRIC_LINE.finditer(text)]
     kept = lines[2:] or lines
     profiled = PROFILED.search(text)
     if profiled:  # leave out the lines whose window (previous line's step, step] holds a
@@ -43,7 +51,7 @@ def read(log: Path) -> dict:
                if x[0] >= first and (lines[i - 1][0] if i else 0) < last]
         dropped = {lines[i][0] for i in hit + [hit[-1] + 1] if i < len(lines)} if hit else set()
         kept = [x for x in kept if x[0] not in dropped] or kept
-    peak, devices = MEMORY.search(text), DEVICES.search(text)
+    peak = MEMORY.search(text)
     vals = list(VAL.finditer(text))
     val = {int(m[1]): float(m[2]) for m in vals}
     return {"lines": lines, "ms": statistics.median(x[2] for x in kept) if kept else None,
@@ -51,7 +59,7 @@ def read(log: Path) -> dict:
             "mfu": median_mfu([x[4] for x in kept]), "val": val,
             "val_peak": {int(m[1]): float(m[3]) if m[3] else None for m in vals},
             "last_val": val[max(val)] if val else None,
-            "peak": float(peak[1]) if peak else None, "gpus": int(devices[1]) if devices else 1,
+            "peak": float(peak[1]) if peak else None, "gpus": gpus,
             "text": text}
 
 
@@ -170,6 +178,8 @@ def main(out: Path) -> None:
     for model in ("gpt2", "gpt-1.3b"):
         runs = {p.stem.removeprefix(f"tp-{model}-"): read(p)
                 for p in out.glob(f"tp-{model}-*gpu.log")}
+        runs.update({"fabric-fp8-" + p.stem.removeprefix(f"fabric-{model}-"): read(p)
+                     for p in out.glob(f"fabric-{model}-*gpu.log")})
         scripts = {p.stem.removeprefix(f"plain-{model}-"): plain(p)
                    for p in out.glob(f"plain-{model}-*gpu.log")}
         if not runs and not scripts:

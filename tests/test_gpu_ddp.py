@@ -1,6 +1,7 @@
-"""GPU tests on two GPUs: FP8 under DDP on the fast path (compiled regions, a CUDA graph per
-block with DDP's all-reduce between the replays) trains as one GPU reading the same samples,
-and StepProfile splits the step under the real strategy.
+"""GPU tests on two GPUs: FP8 under DDP (compiled regions, a CUDA graph per block with DDP's
+all-reduce between the replays) and under FSDP2 (its chosen layout) trains as one GPU reading the
+same samples, StepProfile splits the step under the real strategy, activation checkpointing
+under FSDP2 gives no checkpointing's gradients, and the Fabric example resumes under FSDP2.
 
 `python -m pytest -m gpu tests/test_gpu_ddp.py -s` on a machine with two GPUs (they skip with
 fewer, or without CUDA/TE).
@@ -35,26 +36,41 @@ def fit(root, *args):
     return out, {int(s): float(v) for s, v in LOSS.findall(out)}
 
 
-def test_ddp_fp8_replays_a_graph_per_block_and_trains_as_one_gpu(tmp_path):
-    ddp, ddp_losses = fit(tmp_path / "ddp", "--config", "configs/ddp.yaml", "--trainer.devices", "2",
-                          "--trainer.callbacks+=fp8_lightning.StepProfile",
-                          "--trainer.callbacks.start_step", "12", "--trainer.callbacks.steps", "3")
-    assert "compile: the regions between TE modules" in ddp
-    assert "CUDA graphs: on" in ddp and "4 blocks captured as a graph each" in ddp
-    assert "FP8 verified" in ddp
+@pytest.fixture(scope="module")
+def one_gpu_losses(tmp_path_factory):
+    """The reference: one GPU reading, at every step, the samples of both ranks."""
+    _, losses = fit(tmp_path_factory.mktemp("one"), "--trainer.devices", "1",
+                    "--data.emulate_ranks", "2", "--trainer.accumulate_grad_batches", "2")
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu(tmp_path, strategy,
+                                                                   one_gpu_losses):
+    """DDP: compiled regions and a CUDA graph per block, DDP's all-reduce between the replays.
+    FSDP2: the layout chosen for a model that fits one GPU (weights kept gathered, one unit), the
+    loss compiled. Either way FP8 runs, StepProfile splits the step per rank, and the losses are
+    the one-GPU run's within FP8 tolerance."""
+    out, losses = fit(tmp_path / strategy, "--config", f"configs/{strategy}.yaml",
+                      "--trainer.devices", "2", "--trainer.callbacks+=fp8_lightning.StepProfile",
+                      "--trainer.callbacks.start_step", "12", "--trainer.callbacks.steps", "3")
+    if strategy == "ddp":
+        assert "compile: the regions between TE modules" in out
+        assert "CUDA graphs: on" in out and "4 blocks captured as a graph each" in out
+    else:
+        assert "FSDP2: 4 blocks in 1 unit(s)" in out and "kept gathered" in out, out[-4000:]
+        assert "compile: the loss" in out and "under FSDP2 the TE blocks run faster eager" in out
+    assert "FP8 verified" in out
     # the profile: a row per rank whose parts add up to the step
-    rows = re.findall(r"^([01]) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", ddp, re.M)
+    rows = re.findall(r"^([01]) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", out, re.M)
     assert sorted(r[0] for r in rows) == ["0", "1"]
     for _, step, compute, exposed, idle in rows:
         assert abs(float(compute) + float(exposed) + float(idle) - float(step)) < 0.01 * float(step)
         assert float(compute) > 0
-    # the reference: one GPU reading, at every step, the samples of both ranks
-    one, one_losses = fit(tmp_path / "one", "--trainer.devices", "1", "--data.emulate_ranks", "2",
-                          "--trainer.accumulate_grad_batches", "2")
-    assert sorted(ddp_losses) == sorted(one_losses) == [10, 20, 30]
-    worst = max(abs(ddp_losses[s] - one_losses[s]) / one_losses[s] for s in one_losses)
-    print(f"\n[DDP 2 GPUs vs 1 GPU] mean losses {ddp_losses} vs {one_losses}, worst gap {worst:.4f}")
-    assert ddp_losses[30] < ddp_losses[10] - 0.5 and worst < 0.03
+    assert sorted(losses) == sorted(one_gpu_losses) == [10, 20, 30]
+    worst = max(abs(losses[s] - one_gpu_losses[s]) / one_gpu_losses[s] for s in one_gpu_losses)
+    print(f"\n[{strategy} 2 GPUs vs 1 GPU] losses {losses} vs {one_gpu_losses}, worst gap {worst:.4f}")
+    assert losses[30] < losses[10] - 0.5 and worst < 0.03
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-delayed"])

@@ -127,14 +127,14 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "--trainer.callbacks.every_n_steps 100": (
         "tests/test_readme.py::test_fit_commands_run_a_step",
         "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
-    # Several GPUs: the same strategies on CPU processes (gloo) here; on 4 H200s by
+    # Several GPUs: the same strategies on CPU processes (gloo) here; on two GPUs by
     # scripts/multi_gpu.sh (docs/benchmarks.md).
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml":
         ("tests/test_distributed.py::test_ddp_checkpoint_counts_every_rank_and_resumes_in_step", GPU),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml "
     "--trainer.callbacks+=fp8_lightning.StepProfile --trainer.callbacks.start_step 50": (
         "tests/test_readme.py::test_fit_commands_run_a_step",
-        "tests/test_gpu_ddp.py::test_ddp_fp8_replays_a_graph_per_block_and_trains_as_one_gpu"),
+        "tests/test_gpu_ddp.py::test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4":
         ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4 --ckpt_path last":

@@ -38,3 +38,25 @@ def test_the_median_leaves_out_the_first_lines_and_those_of_the_profiled_steps(t
     # Without a profile only the first two lines go
     log.write_text("\n".join(line for line in lines if not line.startswith("profile")) + "\n")
     assert summary.read(log)["ms"] == 63.0  # 60, 64, 180, 100, 62, 61
+
+
+def test_the_fabric_example_s_lines_count_as_a_run_of_its_gpus(tmp_path, capsys):
+    """``examples/fabric_train.py`` prints tok/s per GPU and no MFU: its runs are rows of the table
+    beside the ``fit`` runs, scaled against its own one-GPU run."""
+    summary = summary_module()
+
+    def fabric_log(name: str, gpus: int, ms: int) -> None:
+        per_gpu = round(16 * 1023 / ms * 1000)
+        lines = [f"=== devices: {gpus}", "precision: FP8 delayed"] + [
+            f"step {s:>5} | loss 5.0000 | lr 6.00e-04 | {ms} ms/step | tok/s per GPU {per_gpu:,} "
+            "| fp8-delayed" for s in range(10, 101, 10)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+
+    fabric_log("fabric-gpt2-1gpu.log", 1, 50)
+    fabric_log("fabric-gpt2-ddp-2gpu.log", 2, 55)
+    run = summary.read(tmp_path / "fabric-gpt2-ddp-2gpu.log")
+    assert run["gpus"] == 2 and run["ms"] == 55 and run["mfu"] == "n/a"
+    assert run["tok_s"] == 2 * round(16 * 1023 / 55 * 1000)
+    summary.main(tmp_path)
+    out = capsys.readouterr().out
+    assert "fabric-fp8       ddp-2gpu      297,600 per GPU  scaling  0.91" in out, out
