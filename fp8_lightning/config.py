@@ -71,6 +71,12 @@ def nearest_multiple(value: int, multiple: int) -> int:
     return max(multiple, int(round(value / multiple)) * multiple)
 
 
+def fc1_width(ffn_hidden: int, activation: Optional[str]) -> int:
+    """fc1's output width: [gate, up] for SwiGLU (twice ffn_hidden), else ffn_hidden (TE's
+    ``LayerNormMLP`` and its PyTorch twin)."""
+    return 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
+
+
 @dataclass
 class GPTConfig:
     """A GPT-2 or Llama-style decoder. Fields left ``None`` come from the preset ``name``."""
@@ -151,8 +157,7 @@ class GPTConfig:
 
     @property
     def fc1_width(self) -> int:
-        """fc1's output: [gate, up] for SwiGLU (twice ffn_hidden), else ffn_hidden."""
-        return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
+        return fc1_width(self.ffn_hidden, self.activation)
 
     def residual_in_fp32(self, backend: str) -> bool:
         """``fp32_residual``, or its default for ``backend`` (float32 on torch, BF16 on TE)."""

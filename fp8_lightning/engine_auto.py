@@ -4,7 +4,8 @@ Each candidate (the TE recipes, the torchao recipes, BF16 compiled) runs a few t
 the run's own model and micro-batch through ``bench``'s step (which is ``fit``'s step,
 :mod:`fp8_lightning.measure`); the fastest wins. FP8 may lose (small models): then the run
 trains BF16 and says so. The training module asks (:func:`choose_engine`, with its own class, so
-that nothing here imports it) before it builds its model; the plugin keeps the choice.
+that nothing here imports it) before it builds its model; the plugin keeps the choice. It lives
+beside :mod:`fp8_lightning.measure`, not in :mod:`fp8_lightning.fp8`, which imports nothing above it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .policy import POLICY_FIELDS
+from .fp8.policy import POLICY_FIELDS
+from .measure import measure, parse_variant, skip_reason
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,6 @@ def candidates(attention: str) -> list[str]:
 def choose(timings: dict[str, Optional[float]]) -> tuple[Optional[str], str]:
     """The fastest candidate's recipe (``None``: BF16, or nothing ran) and the figures, fastest
     first (``ms per step``; candidates that could not run are listed as such)."""
-    from ..measure import parse_variant
-
     ran = sorted(((ms, name) for name, ms in timings.items() if ms is not None))
     figures = ", ".join(f"{name} {ms:.2f} ms" for ms, name in ran)
     skipped = [name for name, ms in timings.items() if ms is None]
@@ -54,8 +54,6 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
     (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10;
     bench's 15 steps after 5: 43.41; docs/benchmarks.md), which made the probe read
     torchao slower than bench does; the other candidates settle within 3."""
-    from ..measure import measure, parse_variant, skip_reason
-
     device = torch.device("cuda")
     timings: dict[str, Optional[float]] = {}
     for name in candidates(attention):

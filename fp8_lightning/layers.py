@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from .config import fc1_width
 from .te_support import te_module
 
 InitFn = Callable[[torch.Tensor], torch.Tensor]
@@ -121,7 +122,7 @@ class TorchLayerNormMLP(_NoExtraState, _Gemms, nn.Module):
         super().__init__()
         self.kind, self.eps, self.activation = norm, eps, activation
         self.checkpoint = checkpoint  # TE's name: recompute the MLP's activations in backward
-        fc1_out = 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
+        fc1_out = fc1_width(ffn_hidden, activation)
         self.layer_norm_weight = nn.Parameter(torch.ones(hidden))
         self.layer_norm_bias = nn.Parameter(torch.zeros(hidden)) if norm == "layernorm" else None
         self.fc1_weight = nn.Parameter(init_method(torch.empty(fc1_out, hidden)))

@@ -1,7 +1,7 @@
 """Measuring training where it runs: ``fit``'s own step, timed per variant.
 
 The library behind ``bench`` (:mod:`fp8_lightning.commands.bench`), ``doctor``
-(:mod:`fp8_lightning.commands.doctor`) and ``engine: auto`` (:mod:`fp8_lightning.fp8.auto`): a
+(:mod:`fp8_lightning.commands.doctor`) and ``engine: auto`` (:mod:`fp8_lightning.engine_auto`): a
 variant name (:func:`parse_variant`) says which backend, recipe, attention and options;
 :func:`build_step` builds ``fit``'s training step for it through the training module it is
 given (``GPTLightningModule``; passed in, so that this module does not import it) and
@@ -29,7 +29,7 @@ import torch
 
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
-from .fp8 import BACKEND, RECIPES, FP8Precision, get_engine
+from .fp8 import RECIPES, FP8Precision, engine_backend, get_engine
 from .te_support import te_status, te_version
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
     "torch-eager": ("torch", None, False),
     "torch-compile": ("torch", None, True),
     "te-bf16": ("te", None, True),
-    **{f"fp8-{r}": (BACKEND[recipe.engine], r, True) for r, recipe in RECIPES.items()},
+    **{f"fp8-{r}": (engine_backend(recipe.engine), r, True) for r, recipe in RECIPES.items()},
 }
 
 
@@ -206,6 +206,7 @@ def build_step(variant: Variant, config: GPTConfig, batch_size: int, seq_len: in
         context: Callable[[], Any] = plugin.train_step_context
     else:
         context = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    module.plan_graphs()  # as fit's on_train_start: after the plugin's conversion
     schedule = module.configure_optimizers()
     optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
     batch = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)

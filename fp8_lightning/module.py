@@ -16,6 +16,7 @@ from typing_extensions import override
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import full_tensor, is_sharded, reshards
+from .fast_path import GRAPHS_HOW, FastPath, plan_compile, plan_graphs
 from .fp8.plugin import fp8_plugin
 from .layers import runs_float8
 from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
@@ -37,23 +38,6 @@ def resolve_backend(backend: str) -> tuple[str, str]:
         raise ConfigError([f"model.backend='te' but {reason}; use backend: auto (falls back to "
                            "the PyTorch backend) or torch"], "model")
     return backend, reason
-
-
-def compile_status(device_type: str) -> tuple[bool, str]:
-    """Can ``torch.compile`` train here, and why (not): needs dynamo, and Triton on a GPU."""
-    try:
-        import torch._dynamo
-
-        if not torch._dynamo.is_dynamo_supported():
-            return False, "torch.compile is not supported on this platform"
-        if device_type == "cuda":
-            from torch.utils._triton import has_triton
-
-            if not has_triton():
-                return False, "Triton is not installed (torch.compile needs it on a GPU)"
-    except Exception as err:  # noqa: BLE001 - any failure to import dynamo is the reason
-        return False, f"torch.compile is unavailable: {type(err).__name__}: {err}"
-    return True, "torch.compile works here"
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
@@ -172,7 +156,10 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.model: Optional[GPT] = None
-        self.compiled: Optional[str] = None  # what compile_model compiled, until a fallback
+        # What the training step compiles and replays, and why (fp8_lightning/fast_path.py):
+        # the compile part when the model is built, the CUDA graphs when training starts.
+        self.fast_path: Optional[FastPath] = None
+        self.compiled: Optional[str] = None  # what compile_model compiled (the log's words)
         self.tokens_seen = 0
         self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         # Under FSDP2: would the run fit one GPU unsharded (the memory estimate; None: not
@@ -182,7 +169,6 @@ class GPTLightningModule(L.LightningModule):
         self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
         self._compile_checked = False  # a training step has run compiled
         self._graphs: Any = None  # BlockGraphs once captured
-        self._graphs_on: Optional[bool] = None  # decided at the first training step
         self._cudagraphed = False  # the PyTorch backend compiled with CUDA graphs
         # The parameters and whether the clip folds into the optimizer, looked up at a run's
         # first step rather than every step: ``self.parameters()`` walks every submodule (~0.1 ms
@@ -199,6 +185,11 @@ class GPTLightningModule(L.LightningModule):
         self._follow_fp8_engine()
         rank_zero_info(f"model: {self.config.name} on the {self.backend_name} backend "
                        f"({self.backend_reason}), attention={self.attention}")
+        trainer = self._trainer
+        self.fast_path = plan_compile(
+            self.hparams.compile, "cuda" if torch.cuda.is_available() else "cpu",
+            te_under_fsdp2=(self.backend_name == "te" and trainer is not None
+                            and is_sharded(trainer.strategy)))
         self._check_memory()
         hp = self.hparams
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention,
@@ -235,7 +226,7 @@ class GPTLightningModule(L.LightningModule):
                         activation_checkpointing=hp.activation_checkpointing,
                         activation_checkpointing_every=hp.activation_checkpointing_every,
                         master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
-                        compiled_loss=self._compile_decision()[0],
+                        compiled_loss=self.fast_path is not None and self.fast_path.compile,
                         accumulate_grad_batches=trainer.accumulate_grad_batches)
 
     def _check_memory(self) -> None:
@@ -286,7 +277,7 @@ class GPTLightningModule(L.LightningModule):
         if self.hparams.backend != "auto":
             return
         if plugin.auto:
-            from .fp8.auto import choose_engine
+            from .engine_auto import choose_engine
 
             several = self._trainer.world_size > 1
             choose_engine(plugin, type(self), self.config, getattr(datamodule, "batch_size", 8),
@@ -302,37 +293,42 @@ class GPTLightningModule(L.LightningModule):
                                f"{plugin.engine.name} engine")
                 self.attention = "sdpa"
 
-    def _compile_decision(self) -> tuple[bool, str]:
-        """Will the model be compiled (``model.compile``, its default here), and why (not)."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        wanted = self.hparams.compile
-        ok, reason = compile_status(device)
-        if wanted is None:
-            if ok and device != "cuda":
-                reason = ("compilation costs a short CPU run more than it saves; "
-                          "model.compile: true to compile")
-            return ok and device == "cuda", reason
-        if wanted and not ok:
-            return False, f"model.compile=true but {reason}; training eagerly"
-        return bool(wanted), reason
-
     def _compile(self) -> None:
-        wanted, reason = self._compile_decision()
-        if self.hparams.compile and not wanted:
-            rank_zero_warn(reason)
-        if not wanted:
-            rank_zero_info(f"compile: off ({reason})" if self.hparams.compile is None
+        """Apply the compile part of the fast path to the model just built, and log it."""
+        path = self.fast_path
+        if self.hparams.compile and not path.compile:
+            rank_zero_warn(path.compile_why)
+        if not path.compile:
+            rank_zero_info(f"compile: off ({path.compile_why})" if self.hparams.compile is None
                            else "compile: off")
             return
-        trainer = self._trainer
-        # Under FSDP2 the TE blocks run eagerly (no CUDA graphs), and their compiled regions made
-        # the step slower than eager ones (GPT-2 124M FP8 on two H200s: 66-70 against 57-58 ms):
-        # by default only the loss is compiled there (model.compile: true compiles them too).
-        regions = not (self.backend_name == "te" and self.hparams.compile is None
-                       and trainer is not None and is_sharded(trainer.strategy))
-        self.compiled = compile_model(self.model, regions=regions)
+        self.compiled = compile_model(self.model, regions=path.regions)
         rank_zero_info(f"compile: {self.compiled} (torch.compile; the first steps compile)"
-                       + ("" if regions else "; under FSDP2 the TE blocks run faster eager"))
+                       + ("" if path.regions or self.backend_name != "te"
+                          else f"; {path.compile_why}"))
+
+    def plan_graphs(self) -> FastPath:
+        """Decide the CUDA graphs of this run's training step (after the FP8 plugin converted
+        the model), log it; the training step captures or compiles them at its first call."""
+        trainer = self._trainer
+        wanted = self.hparams.cuda_graphs
+        if self.fast_path is None:  # a module built without configure_model's plan
+            self.fast_path = FastPath(bool(self.compiled), "compiled by its caller"
+                                      if self.compiled else "not compiled")
+        path = plan_graphs(
+            self.fast_path, wanted, device_type=self.device.type, backend=self.backend_name,
+            world_size=trainer.world_size if trainer is not None else 1,
+            sharded=trainer is not None and is_sharded(trainer.strategy),
+            callbacks=trainer.callbacks if trainer is not None else [],
+            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+            activation_checkpointing=self.hparams.activation_checkpointing,
+            runs_float8=self.model is not None and runs_float8(self.model))
+        if wanted and path.graphs is None:
+            rank_zero_warn(f"{path.graphs_why}; running without")
+        rank_zero_info("CUDA graphs: " + (f"on, {GRAPHS_HOW[path.graphs]}" if path.graphs else
+                                          "off" if wanted is False else f"off ({path.graphs_why})"))
+        self.fast_path = path
+        return path
 
     @property
     def graphed(self) -> Optional[str]:
@@ -346,61 +342,23 @@ class GPTLightningModule(L.LightningModule):
             return None
         return "FP8" if graphs.key[-1] else "BF16"
 
-    def _use_graphs(self) -> bool:
-        if self._graphs_on is None:
-            from .graphs import graphs_status
-
-            wanted = self.hparams.cuda_graphs
-            trainer = self._trainer
-            ok, reason = graphs_status(self.device.type, trainer.world_size if trainer else 1,
-                                       trainer.callbacks if trainer else [],
-                                       trainer is not None and is_sharded(trainer.strategy))
-            if ok and self.backend_name != "te":
-                ok, reason = self._torch_graphs_status(wanted)
-            if ok and self.hparams.activation_checkpointing != "none":
-                ok, reason = False, ("activation checkpointing runs a block's forward again "
-                                     "inside the backward, which a captured graph does not")
-            if wanted and not ok:
-                rank_zero_warn(f"model.cuda_graphs=true but {reason}; running without")
-            self._graphs_on = ok and wanted is not False
-            how = ("the blocks (TE make_graphed_callables)" if self.backend_name == "te" else
-                   "the compiled model (torch.compile mode reduce-overhead)")
-            rank_zero_info("CUDA graphs: " + (f"on, {how}" if self._graphs_on else
-                                              f"off ({reason})" if ok is False else "off"))
-        return self._graphs_on
-
-    def _torch_graphs_status(self, wanted: Optional[bool]) -> tuple[bool, str]:
-        """Can the PyTorch backend replay its compiled step as CUDA graphs here, and why (not)."""
-        trainer = self._trainer
-        if not self.compiled:
-            return False, "the PyTorch backend replays CUDA graphs through torch.compile, which is off"
-        if trainer is not None and trainer.world_size > 1:
-            return False, ("several processes: Inductor's graphs are not captured around DDP's "
-                           "all-reduce hooks here")
-        if trainer is not None and trainer.accumulate_grad_batches > 1:
-            # The backward graph's gradients live in its memory pool, which the next
-            # micro-batch's replay overwrites while they are being accumulated into.
-            return False, "gradient accumulation would accumulate into the graphs' own memory"
-        if not runs_float8(self.model) and wanted is None:
-            return False, ("BF16 on the PyTorch backend is compiled without them (measured: "
-                           "no gain); model.cuda_graphs: true to try")
-        return True, "one GPU"
-
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Mean next-token cross-entropy of a batch of token blocks (B, T + 1), and the tokens
         it covers: the training step of ``fit`` and of ``bench``."""
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
-        if self.training and self._use_graphs() and self.backend_name == "te":
+        # The plan is applied here, not decided: graphs are captured (TE) or compiled in
+        # (PyTorch backend) at the first training call, which has the micro-batch shape.
+        graphs = self.fast_path.graphs if self.training and self.fast_path is not None else None
+        if graphs in ("blocks", "per-block"):
             from .graphs import prepare_graphs
 
             trainer = self._trainer
             self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
                                           trainer.accumulate_grad_batches if trainer else 1,
-                                          per_block=trainer is not None and trainer.world_size > 1)
+                                          per_block=graphs == "per-block")
         if self.compiled and not self._compile_checked:
-            if (self.backend_name == "torch" and not self._cudagraphed
-                    and self._use_graphs()):  # before the compiled model's first call
+            if graphs == "inductor" and not self._cudagraphed:  # before the first compiled call
                 self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
             try:
                 loss = self.model(x, y)
@@ -408,8 +366,9 @@ class GPTLightningModule(L.LightningModule):
                 uncompile_model(self.model)
                 self.compiled = None
                 message = " ".join(str(err).split())[:300]
-                rank_zero_warn(f"compile: torch.compile failed ({type(err).__name__}: {message}); "
-                               "training eagerly")
+                why = f"torch.compile failed ({type(err).__name__}: {message})"
+                self.fast_path = self.fast_path.without_compile(why) if self.fast_path else None
+                rank_zero_warn(f"compile: {why}; training eagerly")
                 loss = self.model(x, y)
                 self._cudagraphed = False
             self._compile_checked = self.training
@@ -594,6 +553,7 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
+        self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)
         if hasattr(datamodule, "verify_resumed"):

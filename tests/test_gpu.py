@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.fp8 import FP8Precision, fp8_modules_ran, te_gemm_modules
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.fp8.te_engine import fp8_modules_ran, te_gemm_modules
 from fp8_lightning.model import GPT
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer

@@ -10,7 +10,8 @@ import torch
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
-from fp8_lightning.fp8 import export_fp8_scaling, fp8_modules_ran
+from fp8_lightning.fp8.scaling_state import export_fp8_scaling
+from fp8_lightning.fp8.te_engine import fp8_modules_ran
 from fp8_lightning.model import GPT
 from fp8_lightning.tokenizer import get_tokenizer
 

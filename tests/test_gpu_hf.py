@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
-from fp8_lightning.fp8 import FP8Precision, fp8_modules_ran
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.fp8.te_engine import fp8_modules_ran
 from fp8_lightning.commands.convert import checkpoint_to_hf
 from fp8_lightning.hf import load_hf
 from fp8_lightning.module import GPTLightningModule

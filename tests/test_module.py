@@ -67,28 +67,6 @@ def test_a_failing_compilation_falls_back_to_eager_with_the_reason(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_the_pytorch_backend_replays_cuda_graphs_where_they_were_measured_to_win():
-    """The decision (a replay needs a GPU: tests/test_gpu_engines.py runs them): the compiled
-    model with the torchao engine's float8 GEMMs, yes; BF16 only when asked; never uncompiled
-    or with gradient accumulation."""
-    pytest.importorskip("torchao")
-    from fp8_lightning.fp8.torchao_engine import TorchaoEngine
-
-    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch")
-    module.configure_model()
-    module.compiled = "the whole model and its loss, one graph"  # as on one GPU
-    ok, why = module._torch_graphs_status(None)
-    assert not ok and "BF16" in why and module._torch_graphs_status(True)[0]
-    TorchaoEngine().convert(module.model, {"recipe": "tensorwise"}, {"lm_head": "policy"})
-    assert module._torch_graphs_status(None) == (True, "one GPU")
-    module.trainer = L.Trainer(accelerator="cpu", accumulate_grad_batches=2, logger=False)
-    ok, why = module._torch_graphs_status(None)
-    assert not ok and "gradient accumulation" in why
-    module.compiled = None
-    ok, why = module._torch_graphs_status(True)
-    assert not ok and "torch.compile, which is off" in why
-
-
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and left as it is
 def test_the_clip_folded_into_fused_adamw_is_the_separate_clip(max_norm):
     """configure_gradient_clipping hands the clip to the fused AdamW as its ``grad_scale``: the

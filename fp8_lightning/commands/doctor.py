@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
-from ..fp8 import BACKEND, RECIPES, bf16_module_names, build_recipe_config, get_engine, \
-    make_te_recipe
-from ..fp8.gemm_timing import Gemm, time_gemm
+from ..fp8 import DEFAULT_RECIPE, RECIPES, Gemm, bf16_module_names, build_recipe_config, \
+    engine_backend, get_engine
 from ..measure import environment, free_memory, measure, parse_variant
 from ..model import GPT
 from ..module import GPTLightningModule
@@ -321,17 +320,18 @@ def benefit_probe(run: RunConfig, result: Lint, recipes: list[str], *, reps: int
                         bf16_last_layers=fp8.get("bf16_last_layers", 0))
     _heading(f"FP8 benefit probe: {len(gemms)} GEMM shapes at M = {batch_size} x {seq_len} = "
              f"{tokens} tokens, forward + backward (te.Linear, GPU kernel time, {reps} reps)")
-    te_recipes: dict[str, Any] = {"bf16": None}
+    te = get_engine("te")
+    te_recipes: dict[str, Any] = {"bf16": None}  # name -> recipe config (None: BF16)
     for r in recipes:  # the config's own recipe fields for its recipe, defaults for the others
-        same = fp8.get("recipe", "delayed") == r
-        te_recipes[r] = make_te_recipe(build_recipe_config(
-            r, **{k: v for k, v in fp8.items() if same and k in RECIPES[r].defaults}))
+        same = fp8.get("recipe", DEFAULT_RECIPE["te"]) == r
+        te_recipes[r] = build_recipe_config(
+            r, **{k: v for k, v in fp8.items() if same and k in RECIPES[r].defaults})
     times: dict[str, list[Optional[float]]] = {name: [] for name in te_recipes}
     errors: dict[str, str] = {}
     for g in gemms:
         for name, recipe in te_recipes.items():
             try:
-                times[name].append(time_gemm(g, tokens, recipe, reps=reps))
+                times[name].append(te.time_gemm(g, tokens, recipe, reps=reps))
             except Exception as err:  # noqa: BLE001 - a shape a recipe cannot take is a finding
                 times[name].append(None)
                 errors.setdefault(name, f"{g.label}: {type(err).__name__}: "
@@ -458,9 +458,9 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
             verdict.append(f"the config has {len(result.problems)} error(s) (see the lint)")
     if run is not None and code == EXIT_OK:
         requested = None
-        if run.fp8 is not None:  # FP8Precision's default recipe: its engine's first
-            requested = run.fp8.get("recipe") or (
-                "tensorwise" if run.fp8.get("engine") == "torchao" else "delayed")
+        if run.fp8 is not None:  # FP8Precision's default recipe: its engine's
+            requested = run.fp8.get("recipe") or DEFAULT_RECIPE[
+                "torchao" if run.fp8.get("engine") == "torchao" else "te"]
         available = [r for r, (ok, _) in recipes.items() if ok]
         if requested is None:
             verdict.append("the config trains BF16 (no FP8Precision in trainer.plugins)")
@@ -473,7 +473,7 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
                 why = f"{why}. {FP8_NEEDS}"
             elif RECIPES[requested].engine == "te" and run.backend == "torch":
                 ok, why = False, "model.backend is torch (no TransformerEngine layers); use auto or te"
-            elif RECIPES[requested].engine == "torchao" and run.backend != BACKEND["torchao"]:
+            elif RECIPES[requested].engine == "torchao" and run.backend != engine_backend("torchao"):
                 ok, why = False, (f"recipe {requested} runs on torchao, in the PyTorch layers; "
                                   f"model.backend is {run.backend}: use torch")
             if ok:

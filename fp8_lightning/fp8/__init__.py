@@ -6,23 +6,25 @@ One job per file:
   validation; a new recipe is one entry.
 * :mod:`.policy`: the layer policy, the one filter that keeps modules BF16.
 * :mod:`.engine`: what an engine does; :mod:`.te_engine` (TransformerEngine modules) and
-  :mod:`.torchao_engine` (PyTorch-native float8 in the PyTorch layers) do it.
+  :mod:`.torchao_engine` (PyTorch-native float8 in the PyTorch layers) do it; :mod:`.engines`
+  names them.
 * :mod:`.plugin`: the precision plugin (``FP8Precision``; Fabric's form in
   :mod:`fp8_lightning.fabric`), the fallback to BF16 and :func:`fp8_plugin`, the accessor.
 * :mod:`.scaling_state`: TE's delayed-scaling state in checkpoints, as plain tensors.
 * :mod:`.stats`: the ``FP8Stats`` callback (amax, scales, underflows through TE's debug API).
+
+What this package hands on is the interface: the plugin, the recipes, the layer policy and the
+engines by name (what an engine does with TE or torchao stays inside it).
 """
 
 from .engine import Engine
-from .engines import get_engine
+from .engines import engine_backend, get_engine
+from .gemm_timing import Gemm
 from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin
-from .policy import bf16_module_names, find_gpt, gemm_dims_ok
-from .recipes import BACKEND, ENGINES, RECIPES, REMOVED_KEYS, Recipe, build_recipe_config, recipe_names
-from .scaling_state import export_fp8_scaling, import_fp8_scaling, te_modules
-from .te_engine import fp8_modules_ran, make_te_recipe, recipe_available, te_gemm_modules
+from .policy import bf16_module_names
+from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, REMOVED_KEYS, Recipe, build_recipe_config,
+                      recipe_names)
 
-__all__ = ["BACKEND", "ENGINES", "Engine", "FP8Precision", "FP8PrecisionBase", "FP8UnavailableError",
-           "RECIPES", "REMOVED_KEYS", "Recipe", "bf16_module_names", "build_recipe_config",
-           "export_fp8_scaling", "find_gpt", "fp8_modules_ran", "fp8_plugin", "gemm_dims_ok",
-           "get_engine", "import_fp8_scaling", "make_te_recipe", "recipe_available",
-           "recipe_names", "te_gemm_modules", "te_modules"]
+__all__ = ["DEFAULT_RECIPE", "ENGINES", "Engine", "FP8Precision", "FP8PrecisionBase",
+           "FP8UnavailableError", "Gemm", "RECIPES", "REMOVED_KEYS", "Recipe", "bf16_module_names",
+           "build_recipe_config", "engine_backend", "fp8_plugin", "get_engine", "recipe_names"]

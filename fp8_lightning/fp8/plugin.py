@@ -26,11 +26,10 @@ from ..te_support import fallback_precision
 from .engine import Engine
 from .engines import get_engine
 from .policy import bf16_module_names, find_gpt, runs_bf16
-from .recipes import ENGINES, RECIPES, build_recipe_config, recipe_names
+from .recipes import DEFAULT_RECIPE, ENGINES, RECIPES, build_recipe_config, recipe_names
 
 log = logging.getLogger(__name__)
 _warn = rank_zero_only(log.warning)  # one WARNING line, on rank zero only
-DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise"}
 
 
 def fp8_plugin(owner: Any) -> Optional["FP8PrecisionBase"]:
@@ -180,7 +179,7 @@ class FP8PrecisionBase(FabricPrecision):
 
     # ----------------------------------------------------------------------------- setup
     def take_choice(self, recipe: Optional[str], figures: str) -> None:
-        """``engine: auto``'s result (:func:`fp8_lightning.fp8.auto.choose_engine`): an FP8
+        """``engine: auto``'s result (:func:`fp8_lightning.engine_auto.choose_engine`): an FP8
         recipe, keeping this plugin's fields that recipe has, or ``None`` for BF16."""
         self.auto, self.auto_figures = False, figures
         if recipe is None:

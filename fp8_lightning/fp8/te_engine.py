@@ -67,6 +67,16 @@ class TEEngine(Engine):
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         return te_gemm_modules(model)
 
+    def time_gemm(self, gemm: Any, tokens: int, config: Optional[dict[str, Any]],
+                  reps: int = 10) -> float:
+        """GPU ms of one forward + backward of a ``te.Linear`` of ``gemm``'s shape
+        (:class:`~.gemm_timing.Gemm`) at ``tokens`` tokens: FP8 under the recipe ``config``
+        (:func:`~.recipes.build_recipe_config`), BF16 when it is None."""
+        from .gemm_timing import time_gemm
+
+        return time_gemm(gemm, tokens, None if config is None else make_te_recipe(config),
+                         reps=reps)
+
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
         """Each distinct GEMM shape timed in TE FP8 and in BF16 on this GPU; a module whose
@@ -74,7 +84,7 @@ class TEEngine(Engine):
         from .gemm_timing import Gemm, time_gemm
         from .policy import slower_in_fp8
 
-        recipe = make_te_recipe(config)
+        recipe = make_te_recipe(config)  # built once for every shape
         measured_tokens = tokens or 8 * 1024
 
         def time_shape(shape: tuple[int, int], fp8: bool) -> float:

@@ -139,7 +139,7 @@ def old_te(monkeypatch):
 
 
 def test_too_old_transformer_engine_is_a_reason_not_a_crash(old_te, capsys):
-    from fp8_lightning.fp8 import recipe_available
+    from fp8_lightning.fp8.te_engine import recipe_available
     from fp8_lightning.te_support import TE_MIN_VERSION, te_status
 
     reason = 'TransformerEngine 2.10.0 found, >= 2.18 needed (pip install -U "fp8-lightning[te]")'

@@ -1,0 +1,138 @@
+"""The training step's fast path: ``torch.compile`` and CUDA graphs, each decided once with why,
+in one typed result (:class:`FastPath`) that ``GPTLightningModule`` follows and logs.
+
+Two moments, both before a run's first step: the compile decision when the model is built
+(``configure_model``: the layers exist, the strategy is known), the CUDA graphs when training
+starts (``on_train_start``, or ``measure.build_step`` for ``bench``: after the FP8 plugin has
+converted the model, which decides whether the PyTorch backend runs float8). The training step
+only applies the plan: capturing graphs needs the first micro-batch's shape, and a failed
+compilation or capture steps back to eager with its reason (``FastPath.without_compile``).
+The model backend (TE or PyTorch layers, ``engine: auto``'s measurement included) is decided
+before both, when the module follows the FP8 engine (``GPTLightningModule._follow_fp8_engine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Optional
+
+from .graphs import graphs_status
+
+Graphs = Literal["blocks", "per-block", "inductor"]
+
+
+def compile_status(device_type: str) -> tuple[bool, str]:
+    """Can ``torch.compile`` train here, and why (not): needs dynamo, and Triton on a GPU."""
+    try:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            return False, "torch.compile is not supported on this platform"
+        if device_type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return False, "Triton is not installed (torch.compile needs it on a GPU)"
+    except Exception as err:  # noqa: BLE001 - any failure to import dynamo is the reason
+        return False, f"torch.compile is unavailable: {type(err).__name__}: {err}"
+    return True, "torch.compile works here"
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What a run's training step compiles and replays, and why.
+
+    Attributes:
+        compile: ``torch.compile`` on.
+        compile_why: why it is on or off (the log's words).
+        regions: on the TE backend, the regions between TE modules are compiled too (else only
+            the loss; the PyTorch backend always compiles model and loss whole).
+        graphs: ``"blocks"`` (TE: the block stack as one CUDA graph), ``"per-block"`` (TE under
+            DDP: one graph per block, so each block's all-reduce overlaps the next backward),
+            ``"inductor"`` (PyTorch backend: the compiled model in Inductor's CUDA graphs), or
+            None: no graphs (not decided yet, or off).
+        graphs_why: why (not), once decided.
+    """
+
+    compile: bool
+    compile_why: str
+    regions: bool = True
+    graphs: Optional[Graphs] = None
+    graphs_why: Optional[str] = None
+
+    @property
+    def graphs_decided(self) -> bool:
+        return self.graphs_why is not None
+
+    def without_compile(self, why: str) -> "FastPath":
+        """After a failed compilation: eager, with the reason (Inductor's graphs go with it)."""
+        return replace(self, compile=False, compile_why=why,
+                       graphs=None if self.graphs == "inductor" else self.graphs,
+                       graphs_why=why if self.graphs == "inductor" else self.graphs_why)
+
+
+def plan_compile(wanted: Optional[bool], device_type: str, te_under_fsdp2: bool) -> FastPath:
+    """``model.compile`` (None: the default) on ``device_type``: compile or not, and why.
+
+    Default: on a GPU where ``torch.compile`` works; off on a CPU (compiling costs a short CPU
+    run more than it saves). Under FSDP2 the TE blocks run eagerly (no CUDA graphs there), and
+    their compiled regions made the step slower than eager ones (GPT-2 124M FP8 on two H200s:
+    66-70 against 57-58 ms): by default only the loss is compiled there.
+    """
+    ok, why = compile_status(device_type)
+    if wanted is None:
+        on = ok and device_type == "cuda"
+        if ok and device_type != "cuda":
+            why = ("compilation costs a short CPU run more than it saves; model.compile: true to "
+                   "compile")
+        elif on and te_under_fsdp2:
+            why = "under FSDP2 the TE blocks run faster eager"
+        return FastPath(on, why, regions=not te_under_fsdp2)
+    if wanted and not ok:
+        return FastPath(False, f"model.compile=true but {why}; training eagerly")
+    return FastPath(bool(wanted), "model.compile: true" if wanted else "model.compile: false")
+
+
+def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, backend: str,
+                world_size: int = 1, sharded: bool = False, callbacks: Any = (),
+                accumulate_grad_batches: int = 1, activation_checkpointing: str = "none",
+                runs_float8: bool = False) -> FastPath:
+    """``model.cuda_graphs`` (None: wherever they run) for a run of this shape: ``path`` with
+    its graphs decided. ``runs_float8``: the PyTorch backend's layers run torchao float8."""
+    ok, why = graphs_status(device_type, world_size, callbacks, sharded)
+    if ok and backend != "te":
+        ok, why = _inductor_graphs_status(path, wanted, world_size, accumulate_grad_batches,
+                                          runs_float8)
+    if ok and activation_checkpointing != "none":
+        ok, why = False, ("activation checkpointing runs a block's forward again inside the "
+                          "backward, which a captured graph does not")
+    if wanted is False:
+        return replace(path, graphs=None, graphs_why="model.cuda_graphs: false")
+    if not ok:
+        return replace(path, graphs=None,
+                       graphs_why=f"model.cuda_graphs=true but {why}" if wanted else why)
+    kind: Graphs = "inductor" if backend != "te" else "per-block" if world_size > 1 else "blocks"
+    return replace(path, graphs=kind, graphs_why=why)
+
+
+def _inductor_graphs_status(path: FastPath, wanted: Optional[bool], world_size: int,
+                            accumulate_grad_batches: int, runs_float8: bool) -> tuple[bool, str]:
+    """Can the PyTorch backend replay its compiled step as CUDA graphs here, and why (not)."""
+    if not path.compile:
+        return False, "the PyTorch backend replays CUDA graphs through torch.compile, which is off"
+    if world_size > 1:
+        return False, ("several processes: Inductor's graphs are not captured around DDP's "
+                       "all-reduce hooks here")
+    if accumulate_grad_batches > 1:
+        # The backward graph's gradients live in its memory pool, which the next
+        # micro-batch's replay overwrites while they are being accumulated into.
+        return False, "gradient accumulation would accumulate into the graphs' own memory"
+    if not runs_float8 and wanted is None:
+        return False, ("BF16 on the PyTorch backend is compiled without them (measured: "
+                       "no gain); model.cuda_graphs: true to try")
+    return True, "one GPU"
+
+
+GRAPHS_HOW = {"blocks": "the blocks (TE make_graphed_callables)",
+              "per-block": "the blocks (TE make_graphed_callables)",
+              "inductor": "the compiled model (torch.compile mode reduce-overhead)"}

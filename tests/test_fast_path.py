@@ -1,0 +1,94 @@
+"""The training step's fast path, decided before the first step: what compiles and what replays
+as CUDA graphs, and why (the replays themselves need a GPU: tests/test_gpu_fast_path.py and
+tests/test_gpu_engines.py run them)."""
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning import fast_path as fast_path_lib
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.fast_path import FastPath, plan_compile, plan_graphs
+from fp8_lightning.module import GPTLightningModule
+
+COMPILED = FastPath(True, "torch.compile works here")
+
+
+class FP8Stats:  # graphs_status knows the callback by its class name (no TE import needed)
+    pass
+
+
+def test_compile_is_on_on_a_gpu_off_on_a_cpu_and_te_under_fsdp2_compiles_only_the_loss(monkeypatch):
+    # (this machine may lack Triton, which a GPU's compile needs: the GPU's answer stands in)
+    monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (True, "torch.compile works here"))
+    assert plan_compile(None, "cuda", te_under_fsdp2=False) == FastPath(True, "torch.compile works here")
+    cpu = plan_compile(None, "cpu", te_under_fsdp2=False)
+    assert not cpu.compile and "costs a short CPU run more than it saves" in cpu.compile_why
+    assert plan_compile(True, "cpu", te_under_fsdp2=False).compile  # asked for: compiled
+    fsdp = plan_compile(None, "cuda", te_under_fsdp2=True)
+    assert fsdp.compile and not fsdp.regions and "faster eager" in fsdp.compile_why
+    assert plan_compile(True, "cuda", te_under_fsdp2=True).regions  # asked for: regions too
+    assert not plan_compile(False, "cuda", te_under_fsdp2=False).compile
+
+
+def test_compile_asked_for_where_it_cannot_run_trains_eagerly_and_says_why(monkeypatch):
+    monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (False, "no Triton"))
+    path = plan_compile(True, "cuda", te_under_fsdp2=False)
+    assert not path.compile and path.compile_why == "model.compile=true but no Triton; training eagerly"
+
+
+@pytest.mark.parametrize("where, graphs", [
+    (dict(backend="te"), "blocks"),  # one GPU: the block stack, one graph
+    (dict(backend="te", world_size=2), "per-block"),  # DDP: the all-reduce between replays
+    (dict(backend="torch", runs_float8=True), "inductor"),  # torchao float8, compiled
+])
+def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
+    path = plan_graphs(COMPILED, None, device_type="cuda", **where)
+    assert path.graphs == graphs and path.graphs_decided
+    assert path.compile and path.compile_why == COMPILED.compile_why  # the rest of the plan kept
+
+
+@pytest.mark.parametrize("wanted, where, reason", [
+    (None, dict(device_type="cpu"), "CUDA graphs need a GPU"),
+    (None, dict(world_size=2, sharded=True), "FSDP2's hooks run in Python"),
+    (None, dict(callbacks=[FP8Stats()]), "FP8Stats"),
+    (None, dict(activation_checkpointing="full"), "activation checkpointing"),
+    (None, dict(backend="torch"), "BF16 on the PyTorch backend is compiled without them"),
+    (None, dict(backend="torch", runs_float8=True, world_size=2), "several processes"),
+    (None, dict(backend="torch", runs_float8=True, accumulate_grad_batches=2), "gradient accumulation"),
+    (True, dict(backend="torch", path=FastPath(False, "off")), "model.cuda_graphs=true but the "
+     "PyTorch backend replays CUDA graphs through torch.compile, which is off"),
+    (False, dict(), "model.cuda_graphs: false"),
+])
+def test_graphs_stay_off_elsewhere_and_say_why(wanted, where, reason):
+    where = {"device_type": "cuda", "backend": "te", **where}
+    path = plan_graphs(where.pop("path", COMPILED), wanted, **where)
+    assert path.graphs is None and reason in path.graphs_why
+
+
+def test_bf16_on_the_pytorch_backend_replays_graphs_when_asked():
+    assert plan_graphs(COMPILED, True, device_type="cuda", backend="torch").graphs == "inductor"
+
+
+def test_a_failed_compilation_takes_inductors_graphs_with_it_and_keeps_tes():
+    inductor = plan_graphs(COMPILED, None, device_type="cuda", backend="torch", runs_float8=True)
+    eager = inductor.without_compile("torch.compile failed (RuntimeError: no compiler)")
+    assert not eager.compile and eager.graphs is None and "no compiler" in eager.graphs_why
+    blocks = plan_graphs(COMPILED, None, device_type="cuda", backend="te").without_compile("x")
+    assert blocks.graphs == "blocks"  # TE's block graphs do not go through torch.compile
+
+
+def test_fit_decides_the_graphs_when_training_starts_and_the_step_only_follows(caplog):
+    """The plan is whole before the first training step; a bare ``loss()`` call (no fit, no
+    bench) decides nothing and replays nothing."""
+    module = GPTLightningModule(GPTConfig(name="tiny", vocab_size=512), backend="torch")
+    module.configure_model()
+    assert module.fast_path.compile is False and not module.fast_path.graphs_decided
+    module.loss(torch.randint(0, 512, (2, 17)))[0].backward()
+    assert not module.fast_path.graphs_decided
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    with caplog.at_level("INFO"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randint(0, 512, (4, 17)), batch_size=2))
+    assert module.fast_path.graphs is None and module.fast_path.graphs_why == "CUDA graphs need a GPU"
+    assert "CUDA graphs: off (CUDA graphs need a GPU)" in caplog.text
