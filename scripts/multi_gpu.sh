@@ -8,8 +8,9 @@
 #                  ddp.yaml, fsdp: configs/fsdp.yaml) on each of GPUS, for each of PRECISIONS
 #                  (precision_args below: fp8 = configs/gpt2_fp8.yaml, TE delayed; bf16 =
 #                  configs/gpt2_bf16.yaml, the PyTorch backend compiled); STEPS steps, the
-#                  monitor's lines after the first two kept; StepProfile splits steps PROFILE_AT
-#                  to PROFILE_AT+4 into GPU compute, exposed communication and GPU idle per rank
+#                  monitor's lines after the first two and before the profile kept; StepProfile
+#                  splits steps PROFILE_AT to PROFILE_AT+4 into GPU compute, exposed communication
+#                  and GPU idle per rank
 #   plain-gpt2 | plain-gpt-1.3b   benchmarks/plain_pytorch.py (no Lightning, BF16 compiled) on 1
 #                  GPU, then each of STRATEGIES on each of GPUS through torchrun
 #   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one call: plain script,
@@ -43,7 +44,7 @@
 # gradients all-reduced in BF16; fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
 # fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
 # combined as fsdp-reshard-g1-compiled), COMPILE (unset:
-# model.compile's default), PROFILE_AT (default 50), SINGLE (default 1; 0 skips the one-GPU runs),
+# model.compile's default), PROFILE_AT (default STEPS - 10: the steps after a profile run slower), SINGLE (default 1; 0 skips the one-GPU runs),
 # LOSS_GPUS (default 4: loss-gpt2's and resume-gpt2's several-GPU count);
 # for the
 # 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
@@ -187,7 +188,7 @@ tp_run() {  # tp_run MODEL BATCH PRECISION single|STRATEGY GPUS: one fit of the 
     local args=(--config "$OUT/throughput.yaml" --model.config.name "$model" --data.batch_size "$batch"
                 --trainer.max_steps "$STEPS" --trainer.log_every_n_steps 10
                 --trainer.callbacks+=fp8_lightning.StepProfile
-                --trainer.callbacks.start_step "${PROFILE_AT:-50}")
+                --trainer.callbacks.start_step "${PROFILE_AT:-$((STEPS - 10))}")
     [ -n "${COMPILE:-}" ] && args+=(--model.compile "$COMPILE")
     if [ "$s" = single ]; then
         CONFIG=${cfg[0]} fit "tp-$model-$prec-1gpu" 1 none "${args[@]}" "${cfg[@]:1}"
