@@ -107,19 +107,25 @@ keep() {  # keep FILE...: append files of OUT to ARCHIVE, when set (locked: a pa
     return 0
 }
 
+logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after the "=== devices"
+    # line the summary reads, under FIT_TIMEOUT; its exit status and seconds, the log archived
+    local name=$1 devices=$2 start=$SECONDS
+    shift 2
+    echo "=== devices: $devices" > "$OUT/$name.log"
+    timeout "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    keep "$name.log"
+}
+
 fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
-    local name=$1 devices=$2 strategy=$3 start=$SECONDS
+    local name=$1 devices=$2 strategy=$3
     shift 3
     local extra=()
     [ "$strategy" != none ] && extra=(--config "$strategy")
     echo "=== $name: $devices GPU(s) ${strategy}"
-    echo "=== devices: $devices" > "$OUT/$name.log"
-    timeout "${FIT_TIMEOUT:-420}" $PYTHON -m fp8_lightning fit --config "${CONFIG:-configs/gpt2_fp8.yaml}" "${extra[@]}" \
-        --trainer.devices "$devices" --data.data_dir "$DATA" --data.num_workers 2 \
-        --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@" \
-        >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
-    keep "$name.log"
+    logged "$name" "$devices" $PYTHON -m fp8_lightning fit --config "${CONFIG:-configs/gpt2_fp8.yaml}" \
+        "${extra[@]}" --trainer.devices "$devices" --data.data_dir "$DATA" --data.num_workers 2 \
+        --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@"
     grep -E "Error|error:" "$OUT/$name.log" | head -3
 }
 
@@ -212,18 +218,15 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
 }
 
 fabric_run() {  # fabric_run single|ddp|fsdp GPUS: examples/fabric_train.py, GPT-2 124M, 16 x 1024
-    local s=$1 n=$2 name start=$SECONDS
+    local s=$1 n=$2 name
     local args=(--model gpt2 --batch_size 16 --seq_len 1024 --corpus_chars 1100000 --steps "$STEPS"
                 --log_every 10 --save_every 100000 --compile --fresh)
     if [ "$s" = single ]; then name=fabric-gpt2-1gpu; else
         name="fabric-gpt2-$s-${n}gpu"; args+=(--devices "$n" --strategy "$s"); fi
     echo "=== $name"
-    echo "=== devices: $n" > "$OUT/$name.log"
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} timeout "${FIT_TIMEOUT:-420}" \
-        $PYTHON examples/fabric_train.py "${args[@]}" --ckpt "$OUT/$name.ckpt" >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} logged "$name" "$n" \
+        $PYTHON examples/fabric_train.py "${args[@]}" --ckpt "$OUT/$name.ckpt"
     rm -rf "$OUT/$name.ckpt"
-    keep "$name.log"
 }
 
 table() {  # table MODEL BATCH: every row of docs/benchmarks.md's two-GPU table of MODEL, one call
