@@ -46,7 +46,8 @@ class FastPath:
         compile: ``torch.compile`` on.
         compile_why: why it is on or off (the log's words).
         regions: on the TE backend, the regions between TE modules are compiled too (else only
-            the loss; the PyTorch backend always compiles model and loss whole).
+            the loss; the PyTorch backend compiles model and loss whole, or block by block
+            for ``"per-block"`` graphs).
         graphs: ``"blocks"`` (TE: the block stack as one CUDA graph), ``"per-block"`` (under
             DDP: one graph per block, so each block's all-reduce overlaps the next backward; on
             the PyTorch backend each block compiled, then captured), ``"inductor"`` (PyTorch
