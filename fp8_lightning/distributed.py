@@ -42,6 +42,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
 from typing_extensions import override
 
@@ -173,7 +174,7 @@ class AgreedStop:
         self.requested = True
 
     def _on_sigterm(self, signum: Any, frame: Any) -> None:
-        log.info("[rank %d] Received SIGTERM: %s", self.trainer.global_rank, signum)
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.global_rank))
         launcher = self.trainer.strategy.launcher
         if not self.requested and launcher is not None:
             launcher.kill(signum)  # the other local ranks, as Lightning's notifier does

@@ -309,7 +309,8 @@ class GPTLightningModule(L.LightningModule):
 
     def plan_graphs(self) -> FastPath:
         """Decide the CUDA graphs of this run's training step (after the FP8 plugin converted
-        the model), log it; the training step captures or compiles them at its first call."""
+        the model), compile the model for them (lazily: the first call compiles), log it; the
+        training step captures them at its first call, which has the micro-batch's shape."""
         trainer = self._trainer
         wanted = self.hparams.cuda_graphs
         if self.fast_path is None:  # a module built without configure_model's plan
@@ -328,6 +329,14 @@ class GPTLightningModule(L.LightningModule):
         rank_zero_info("CUDA graphs: " + (f"on, {GRAPHS_HOW[path.graphs]}" if path.graphs else
                                           "off" if wanted is False else f"off ({path.graphs_why})"))
         self.fast_path = path
+        if self.model is not None and path.graphs == "inductor":
+            self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
+        elif self.model is not None and path.graphs == "per-block" and self.backend_name != "te":
+            # the blocks compiled one by one, to be captured each (the whole model's graph
+            # would hold DDP's all-reduce hooks inside it)
+            uncompile_model(self.model)
+            self.compiled = compile_model(self.model, per_block=True)
+            rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
         return path
 
     @property
@@ -347,15 +356,9 @@ class GPTLightningModule(L.LightningModule):
         it covers: the training step of ``fit`` and of ``bench``."""
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
-        # The plan is applied here, not decided: graphs are captured (TE) or compiled in
-        # (PyTorch backend) at the first training call, which has the micro-batch shape.
+        # The plan (plan_graphs) is applied here, not decided: the blocks' graphs are captured
+        # at the first training call, which has the micro-batch shape.
         graphs = self.fast_path.graphs if self.training and self.fast_path is not None else None
-        if graphs == "per-block" and self.backend_name != "te" and self._graphs is None:
-            # the blocks compiled one by one, to be captured each (the whole model's graph
-            # would hold DDP's all-reduce hooks inside it)
-            uncompile_model(self.model)
-            self.compiled = compile_model(self.model, per_block=True)
-            rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
         if graphs in ("blocks", "per-block"):
             from .graphs import prepare_graphs
 
@@ -364,8 +367,6 @@ class GPTLightningModule(L.LightningModule):
                                           trainer.accumulate_grad_batches if trainer else 1,
                                           per_block=graphs == "per-block")
         if self.compiled and not self._compile_checked:
-            if graphs == "inductor" and not self._cudagraphed:  # before the first compiled call
-                self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
             try:
                 loss = self.model(x, y)
             except Exception as err:  # noqa: BLE001 - a failed compilation falls back, said why

@@ -168,15 +168,14 @@ plain_run() {  # plain_run MODEL BATCH single|ddp|fsdp GPUS: one run of benchmar
     if [ "$s" = single ]; then
         name="plain-$model-1gpu"
         echo "=== $name"
-        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${FIT_TIMEOUT:-420}" \
-            $PYTHON benchmarks/plain_pytorch.py "${args[@]}" > "$OUT/$name.log" 2>&1
+        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} logged "$name" 1 \
+            $PYTHON benchmarks/plain_pytorch.py "${args[@]}"
     else
         name="plain-$model-$s-${n}gpu"
         echo "=== $name"
-        timeout "${FIT_TIMEOUT:-420}" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
-            benchmarks/plain_pytorch.py "${args[@]}" --strategy "$s" > "$OUT/$name.log" 2>&1
+        logged "$name" "$n" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
+            benchmarks/plain_pytorch.py "${args[@]}" --strategy "$s"
     fi
-    keep "$name.log"
     tail -n1 "$OUT/$name.log"
 }
 

@@ -8,6 +8,7 @@ import torch
 
 from fp8_lightning import fast_path as fast_path_lib
 from fp8_lightning.config import GPTConfig
+from fp8_lightning import module as module_lib
 from fp8_lightning.fast_path import FastPath, plan_compile, plan_graphs
 from fp8_lightning.module import GPTLightningModule
 
@@ -96,3 +97,24 @@ def test_fit_decides_the_graphs_when_training_starts_and_the_step_only_follows(c
         trainer.fit(module, torch.utils.data.DataLoader(torch.randint(0, 512, (4, 17)), batch_size=2))
     assert module.fast_path.graphs is None and module.fast_path.graphs_why == "CUDA graphs need a GPU"
     assert "CUDA graphs: off (CUDA graphs need a GPU)" in caplog.text
+
+
+@pytest.mark.parametrize("graphs, compiled", [
+    ("inductor", "the whole model and its loss, one graph, replayed as CUDA graphs"),
+    ("per-block", "each block and the loss"),
+])
+def test_the_pytorch_backend_is_compiled_for_its_graphs_when_they_are_planned(monkeypatch, graphs,
+                                                                               compiled):
+    """Compiling for the graphs is part of planning them (lazily: nothing compiles until the
+    first call), not of the training step."""
+    module = GPTLightningModule(GPTConfig(name="tiny", vocab_size=512, n_layer=2),
+                                backend="torch", compile=True)
+    module.configure_model()
+    assert module.compiled == "the whole model and its loss, one graph"
+    monkeypatch.setattr(module_lib, "plan_graphs",
+                        lambda path, *a, **k: FastPath(True, "x", graphs=graphs, graphs_why="y"))
+    module.plan_graphs()
+    assert module.compiled == compiled and module.fast_path.graphs == graphs
+    per_block = all("residual" in block.__dict__ for block in module.model.blocks)
+    assert per_block == (graphs == "per-block")
+    assert (module.model._compiled_call_impl is None) == (graphs == "per-block")
