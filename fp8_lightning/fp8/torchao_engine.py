@@ -145,6 +145,22 @@ def forget_float8_scales(weights: list[torch.Tensor]) -> None:
         getattr(w, "_local_tensor", w)._precomputed_scale = None
 
 
+def route_linear(module: nn.Linear) -> None:
+    """Give a user's ``nn.Linear`` the switch this package's layers have (``float8``: the engine's
+    GEMM, or None for ``F.linear``). The module, its parameters and its state dict stay as they
+    are, so its checkpoints load with or without FP8; swapping it for torchao's ``Float8Linear``
+    would not let the BF16 fallback switch back in place."""
+    module.float8 = None
+    module.forward = functools.partial(_routed_linear, module)
+
+
+def _routed_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    gemm = module.float8
+    if gemm is None:
+        return F.linear(x, module.weight, module.bias)
+    return gemm(x, module.weight, module.bias)
+
+
 def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear`` for the BF16 fallback of a float8-gathered weight: FSDP2 hands the GEMM a
@@ -179,9 +195,11 @@ class TorchaoEngine(Engine):
         return True, gpu
 
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """This package's PyTorch layers and any other model's ``nn.Linear`` modules."""
         from ..layers import _Gemms
 
-        return {name: m for name, m in model.named_modules() if isinstance(m, _Gemms)}
+        return {name: m for name, m in model.named_modules()
+                if isinstance(m, (_Gemms, nn.Linear))}
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
@@ -240,6 +258,9 @@ class TorchaoEngine(Engine):
                 bf16_modules: dict[str, str]) -> list[Any]:
         self.converted = {name: m for name, m in self.gemm_modules(model).items()
                           if not runs_bf16(name, bf16_modules)}
+        for module in self.converted.values():
+            if isinstance(module, nn.Linear) and not hasattr(module, "float8"):
+                route_linear(module)
         self.gemms = {name: float8_linear(config["recipe"], frozenset(
             shape for weight, shape in gemm_weights(m).items() if f"{name}.{weight}" in bf16_modules))
             for name, m in self.converted.items()}
