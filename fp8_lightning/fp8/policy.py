@@ -88,9 +88,11 @@ def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
 
 
 def gemm_weights(module: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
-    return {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)
-            if p.ndim == 2}
+    """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``;
+    Hugging Face's ``Conv1D`` stores its weight (in, out))."""
+    flip = type(module).__name__ == "Conv1D"
+    return {name: tuple(p.shape[::-1] if flip else p.shape)
+            for name, p in module.named_parameters(recurse=False) if p.ndim == 2}
 
 
 def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:

@@ -85,3 +85,48 @@ def test_the_example_trains_under_the_plugin_and_says_what_ran():
     assert trainer.global_step == 6
     assert plugin.fp8_active or "no CUDA GPU is visible" in plugin.reason
     assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_hugging_face_model_runs_float8_through_the_same_path(arch):
+    """``LlamaForCausalLM`` (``nn.Linear``) and ``GPT2LMHeadModel`` (Hugging Face's ``Conv1D``,
+    weights stored (in, out)): the policy finds ``model.layers`` / ``transformer.h`` and
+    ``lm_head``, every block GEMM runs float8, and the logits stay close to BF16's."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        blocks, per_block = "model.layers", 7  # q, k, v, o, gate, up, down
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+        blocks, per_block = "transformer.h", 4  # c_attn, c_proj, c_fc, mlp.c_proj
+    model.eval()
+    twin = copy.deepcopy(model)
+    assert find_blocks(model) == (blocks, 2) and find_lm_head(model) == "lm_head"
+    engine = get_engine("torchao")
+    gemms = engine.gemm_modules(model)
+    keep = bf16_module_names(model, gemms, fp8_lm_head=False, bf16_first_layers=0,
+                             bf16_last_layers=0)
+    assert keep == {"lm_head": "fp8_lm_head=false"}  # every block GEMM's dims are multiples of 16
+    engine.convert(model, build_recipe_config("tensorwise"), keep)
+    assert len(engine.modules_ran(model)) == 2 * per_block
+    idx = torch.randint(0, 1000, (2, 32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fp8 = model(idx).logits.float()
+        bf16 = twin(idx).logits.float()
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm") == 2 * per_block
+    assert not torch.equal(fp8, bf16)
+    assert (fp8 - bf16).abs().mean() < 0.1 * bf16.abs().mean()
+    copied = copy.deepcopy(model)  # a copy's routed GEMMs use the copy's own weights
+    with torch.no_grad():
+        next(p for n, p in copied.named_parameters() if n.endswith("0.mlp.c_fc.weight")
+             or n.endswith("0.mlp.up_proj.weight")).zero_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(idx).logits.float(), fp8)  # the original is untouched
+            assert not torch.equal(copied(idx).logits.float(), fp8)  # the copy runs its own
