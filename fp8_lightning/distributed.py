@@ -1,8 +1,9 @@
 """Several GPUs: FSDP2 through Lightning's ``ModelParallelStrategy``, and sharded checkpoints.
 
-DDP needs nothing here: ``--trainer.strategy ddp`` works as it is, because ``FP8Precision``
+DDP needs no strategy of its own: ``--trainer.strategy ddp`` works as it is, because ``FP8Precision``
 reduces the delayed-scaling amax over the data-parallel group and ``NaNGuard`` all-reduces its
-skip flag every step (one rank's NaN makes every rank skip).
+skip flag every step (one rank's NaN makes every rank skip). What DDP and FSDP2 share here:
+``LaggedSigtermCheck``, Lightning's per-step SIGTERM broadcast without its host sync.
 
 Why FSDP2 (``fully_shard``) and not FSDP1 (Lightning's ``FSDPStrategy``):
 
@@ -27,6 +28,7 @@ That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -138,6 +140,55 @@ def gather_policy(weights: str) -> Any:
 # unit against 203k a block a unit, the 1.3B 38.7k with 6 blocks a unit against 31.5k; an 8B
 # block (218M) is a unit alone.
 UNIT_PARAMS = 200_000_000
+
+
+class LaggedSigtermCheck:
+    """Lightning's per-step SIGTERM broadcast (every rank stops together when rank 0 is told to),
+    read one step late so that it never drains the GPU.
+
+    Lightning >= 2.6 broadcasts rank 0's flag at every training step and reads it with
+    ``.item()``: a host sync per step, after which the GPU idles while the host issues the next
+    step (BF16 DDP on two H200s: 4-5 ms a step, Lightning-AI/pytorch-lightning#21487; the fix
+    upstream, PR #21640, is unreleased). Here the broadcast is enqueued as before and copied to
+    pinned memory behind an event; each step reads the previous step's copy, which the GPU
+    finished long ago. A SIGTERM stops the run one step later than Lightning's would.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        # two slots, used in turn: a step's flag is read while the next one is in flight
+        self.flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2)]
+        self.host = [torch.zeros(1, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        self.steps = 0
+
+    def __call__(self, trainer: "L.Trainer") -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        i, previous = self.steps % 2, (self.steps + 1) % 2
+        self.steps += 1
+        self.flags[i].fill_(1 if getattr(trainer, "received_sigterm", False) else 0)
+        torch.distributed.broadcast(self.flags[i], src=0)
+        self.host[i].copy_(self.flags[i], non_blocking=True)
+        self.events[i].record()
+        if self.steps == 1:
+            return
+        self.events[previous].synchronize()  # the previous step's start: passed on the GPU
+        if int(self.host[previous]) == 1:
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()  # as Lightning: every rank stops here together
+            raise SIGTERMException()
+
+    @staticmethod
+    def install(trainer: "L.Trainer") -> bool:
+        """Take over the training loop's SIGTERM broadcast of a several-GPU CUDA run; whether
+        it did (elsewhere Lightning's own stays: one process, a CPU, or a Lightning without it)."""
+        loop = trainer.fit_loop.epoch_loop
+        if (trainer.world_size < 2 or trainer.strategy.root_device.type != "cuda"
+                or not hasattr(loop, "_broadcast_sigterm_tensor")):
+            return False
+        check = LaggedSigtermCheck(trainer.strategy.root_device)
+        loop._broadcast_sigterm_tensor = lambda: check(trainer)
+        return True
 
 
 def reshards(reshard_after_forward: Optional[bool], fits_one_gpu: Optional[bool]) -> bool:

@@ -1,7 +1,7 @@
-"""CUDA graphs for the TE path: the transformer blocks' forward and backward replayed as CUDA
-graphs (the whole stack as one, by default), through TransformerEngine's
-``make_graphed_callables`` (which captures FP8, delayed scaling included, and keeps the amax/scale
-updates working across replays).
+"""CUDA graphs of the transformer blocks: their forward and backward replayed as CUDA graphs
+(the whole stack as one, by default), through TransformerEngine's ``make_graphed_callables``
+on the TE path (which captures FP8, delayed scaling included, and keeps the amax/scale updates
+working across replays), and PyTorch's for the PyTorch backend's compiled blocks under DDP.
 
 Why: a TE block issues its kernels from Python (a few hundred microseconds of host work per
 module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A replayed graph
@@ -49,7 +49,8 @@ class BlockGraphs:
 
     def __init__(self, model: nn.Module, batch_shape: tuple[int, int],
                  clone_grads: bool = True, per_block: bool = False) -> None:
-        fp8, recipe, group = fp8_state()
+        te = model.backend == "te"
+        fp8, recipe, group = fp8_state() if te else (False, None, None)
         units = tuple(model.blocks) if per_block else (model.blocks,)
         B, T = batch_shape
         weight = model.wte.weight
@@ -59,7 +60,7 @@ class BlockGraphs:
         samples = tuple((torch.randn(B, T, weight.shape[1], dtype=dtype,
                                      device=weight.device, requires_grad=True), *model.rope(T))
                         for _ in units)
-        self.key = self.key_of(batch_shape, fp8)
+        self.key, self.te = self.key_of(batch_shape, fp8), te
         self.units, self.n_blocks = units, len(model.blocks)
         unit_call = type(units[0]).__call__
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -71,10 +72,13 @@ class BlockGraphs:
             # re-casting a weight used twice in one forward, which a replay never does.
             with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                 enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
-                te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
-                                                   enabled=fp8, recipe=recipe,
-                                                   amax_reduction_group=group,
-                                                   clone_param_grads_on_return=clone_grads)
+                if te:
+                    te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
+                                                       enabled=fp8, recipe=recipe,
+                                                       amax_reduction_group=group,
+                                                       clone_param_grads_on_return=clone_grads)
+                else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
+                    torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
         finally:
             # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
             type(units[0]).__call__ = unit_call
@@ -84,7 +88,8 @@ class BlockGraphs:
         self.active = True
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back on every switch.
-        self.fp8_flags = {m: m.fp8 for unit in units for m in unit.modules() if hasattr(m, "fp8")}
+        self.fp8_flags = {m: m.fp8 for unit in units for m in unit.modules()
+                          if te and hasattr(m, "fp8")}
 
     @staticmethod
     def key_of(batch_shape: tuple[int, int], fp8: bool) -> tuple:
@@ -105,7 +110,7 @@ class BlockGraphs:
         self.active = on
 
     def matches(self, batch_shape: tuple[int, int]) -> bool:
-        return self.key == self.key_of(batch_shape, fp8_state()[0])
+        return self.key == self.key_of(batch_shape, self.te and fp8_state()[0])
 
 
 def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),

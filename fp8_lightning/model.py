@@ -292,7 +292,8 @@ class GPT(nn.Module):
         return idx
 
 
-def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True) -> str:
+def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True,
+                  per_block: bool = False) -> str:
     """Compile ``model`` in place for training; returns what was compiled (for the log line).
 
     Parameter names, ``model.blocks`` and the state dict are unchanged (``torch.compile(model)``
@@ -303,7 +304,14 @@ def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True) -
     ``torch.compile``, TE's maintainers do not plan it); every region between them is compiled:
     per block the head split, QK-norm, RoPE and SDPA (or the part before
     ``te.DotProductAttention``), and the loss; with ``regions=False`` only the loss.
+    ``per_block`` (PyTorch backend): each block and the loss compiled on their own, for a CUDA
+    graph per block (:mod:`fp8_lightning.graphs`, under DDP).
     """
+    if model.backend == "torch" and per_block:
+        model.loss_fn = torch.compile(next_token_loss)
+        for block in model.blocks:
+            block.residual = torch.compile(block.residual)
+        return "each block and the loss"
     if model.backend == "torch":
         if cuda_graphs:
             model.compile(mode="reduce-overhead")
@@ -326,6 +334,6 @@ def uncompile_model(model: GPT) -> None:
     """Undo :func:`compile_model`: the eager forward again."""
     model._compiled_call_impl = None  # what nn.Module.compile set
     for block in model.blocks:
-        for name in ("attend", "heads"):
+        for name in ("attend", "heads", "residual"):
             block.__dict__.pop(name, None)  # the instance attribute shadowing the method
     model.loss_fn = next_token_loss

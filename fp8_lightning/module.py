@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
-from .distributed import full_tensor, is_sharded, reshards
+from .distributed import LaggedSigtermCheck, full_tensor, is_sharded, reshards
 from .fast_path import GRAPHS_HOW, FastPath, plan_compile, plan_graphs
 from .fp8.plugin import fp8_plugin
 from .layers import runs_float8
@@ -350,6 +350,12 @@ class GPTLightningModule(L.LightningModule):
         # The plan is applied here, not decided: graphs are captured (TE) or compiled in
         # (PyTorch backend) at the first training call, which has the micro-batch shape.
         graphs = self.fast_path.graphs if self.training and self.fast_path is not None else None
+        if graphs == "per-block" and self.backend_name != "te" and self._graphs is None:
+            # the blocks compiled one by one, to be captured each (the whole model's graph
+            # would hold DDP's all-reduce hooks inside it)
+            uncompile_model(self.model)
+            self.compiled = compile_model(self.model, per_block=True)
+            rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
         if graphs in ("blocks", "per-block"):
             from .graphs import prepare_graphs
 
@@ -553,6 +559,7 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
+        LaggedSigtermCheck.install(self.trainer)  # no host sync per step on several GPUs
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)

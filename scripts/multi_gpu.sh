@@ -16,6 +16,8 @@
 #   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one call: plain script,
 #                  package BF16, FP8 (TE delayed; torchao tensorwise under FSDP2) and, for GPT-2,
 #                  examples/fabric_train.py, on 1 GPU (two runs at a time, one per GPU) and 2 GPUs
+#   table-gpt-1.3b-ddp | table-gpt-1.3b-fsdp   the 1.3B table's one-GPU rows and one strategy's
+#                  (the whole 1.3B table takes more than one 10-minute device call)
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
 #                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
 #                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
@@ -107,19 +109,25 @@ keep() {  # keep FILE...: append files of OUT to ARCHIVE, when set (locked: a pa
     return 0
 }
 
+logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after the "=== devices"
+    # line the summary reads, under FIT_TIMEOUT; its exit status and seconds, the log archived
+    local name=$1 devices=$2 start=$SECONDS
+    shift 2
+    echo "=== devices: $devices" > "$OUT/$name.log"
+    timeout "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    keep "$name.log"
+}
+
 fit() {  # fit NAME DEVICES STRATEGY_CONFIG|none ARGS...
-    local name=$1 devices=$2 strategy=$3 start=$SECONDS
+    local name=$1 devices=$2 strategy=$3
     shift 3
     local extra=()
     [ "$strategy" != none ] && extra=(--config "$strategy")
     echo "=== $name: $devices GPU(s) ${strategy}"
-    echo "=== devices: $devices" > "$OUT/$name.log"
-    timeout "${FIT_TIMEOUT:-420}" $PYTHON -m fp8_lightning fit --config "${CONFIG:-configs/gpt2_fp8.yaml}" "${extra[@]}" \
-        --trainer.devices "$devices" --data.data_dir "$DATA" --data.num_workers 2 \
-        --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@" \
-        >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
-    keep "$name.log"
+    logged "$name" "$devices" $PYTHON -m fp8_lightning fit --config "${CONFIG:-configs/gpt2_fp8.yaml}" \
+        "${extra[@]}" --trainer.devices "$devices" --data.data_dir "$DATA" --data.num_workers 2 \
+        --trainer.default_root_dir "$OUT/$name" --trainer.enable_progress_bar false "$@"
     grep -E "Error|error:" "$OUT/$name.log" | head -3
 }
 
@@ -212,40 +220,39 @@ throughput() {  # throughput MODEL BATCH: each of PRECISIONS on 1 GPU, then DDP 
 }
 
 fabric_run() {  # fabric_run single|ddp|fsdp GPUS: examples/fabric_train.py, GPT-2 124M, 16 x 1024
-    local s=$1 n=$2 name start=$SECONDS
+    local s=$1 n=$2 name
     local args=(--model gpt2 --batch_size 16 --seq_len 1024 --corpus_chars 1100000 --steps "$STEPS"
                 --log_every 10 --save_every 100000 --compile --fresh)
     if [ "$s" = single ]; then name=fabric-gpt2-1gpu; else
         name="fabric-gpt2-$s-${n}gpu"; args+=(--devices "$n" --strategy "$s"); fi
     echo "=== $name"
-    echo "=== devices: $n" > "$OUT/$name.log"
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} timeout "${FIT_TIMEOUT:-420}" \
-        $PYTHON examples/fabric_train.py "${args[@]}" --ckpt "$OUT/$name.ckpt" >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} logged "$name" "$n" \
+        $PYTHON examples/fabric_train.py "${args[@]}" --ckpt "$OUT/$name.ckpt"
     rm -rf "$OUT/$name.ckpt"
-    keep "$name.log"
 }
 
-table() {  # table MODEL BATCH: every row of docs/benchmarks.md's two-GPU table of MODEL, one call
+table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one call
+    # (one strategy's rows where named: the 1.3B's whole table does not fit one 10-minute call).
     # The one-GPU runs go two at a time, one per GPU, started together (FP8 beside the plain
-    # BF16 script, the package's BF16 beside the Fabric example): the whole table then fits one
-    # device call. Then on both GPUs: the plain script (DDP, FSDP2), the package's BF16 (DDP),
-    # FP8 TE delayed (DDP, FSDP2), torchao tensorwise (FSDP2, where it is the faster engine) and,
-    # for GPT-2, the Fabric example (DDP, FSDP2).
-    local model=$1 batch=$2 s
+    # BF16 script, the package's BF16 beside the Fabric example). Then on both GPUs: the plain
+    # script, the package's BF16 (DDP), FP8 TE delayed, torchao tensorwise (FSDP2, where it is
+    # the faster engine) and, for GPT-2, the Fabric example.
+    local model=$1 batch=$2 only=${3:-} s
+    local strategies=${only:-ddp fsdp}
     data1k || return
     CUDA_VISIBLE_DEVICES=0 plain_run "$model" "$batch" single 1 &
     CUDA_VISIBLE_DEVICES=1 tp_run "$model" "$batch" fp8 single 1 &
     wait
-    CUDA_VISIBLE_DEVICES=0 tp_run "$model" "$batch" bf16 single 1 &
-    [ "$model" = gpt2 ] && CUDA_VISIBLE_DEVICES=1 fabric_run single 1 &
-    wait
-    for s in ddp fsdp; do plain_run "$model" "$batch" "$s" 2; done
-    # the package's BF16 on two GPUs at GPT-2 only: at 1.3B the call's 10 minutes do not hold it
-    [ "$model" = gpt2 ] && tp_run "$model" "$batch" bf16 ddp 2
-    for s in ddp fsdp; do tp_run "$model" "$batch" fp8 "$s" 2; done
-    tp_run "$model" "$batch" fp8-tensorwise fsdp 2
-    if [ "$model" = gpt2 ]; then for s in ddp fsdp; do fabric_run "$s" 2; done; fi
+    if [ "$only" != fsdp ]; then
+        CUDA_VISIBLE_DEVICES=0 tp_run "$model" "$batch" bf16 single 1 &
+        [ "$model" = gpt2 ] && CUDA_VISIBLE_DEVICES=1 fabric_run single 1 &
+        wait
+    fi
+    for s in $strategies; do plain_run "$model" "$batch" "$s" 2; done
+    [ "$only" != fsdp ] && tp_run "$model" "$batch" bf16 ddp 2
+    for s in $strategies; do tp_run "$model" "$batch" fp8 "$s" 2; done
+    [ "$only" != ddp ] && tp_run "$model" "$batch" fp8-tensorwise fsdp 2
+    if [ "$model" = gpt2 ]; then for s in $strategies; do fabric_run "$s" 2; done; fi
 }
 
 LOSS_GPUS=${LOSS_GPUS:-4}  # the several-GPU count of loss-gpt2 / resume-gpt2 (2, 4 or 8)
@@ -398,6 +405,8 @@ for j in "$@"; do
         plain-gpt-1.3b)      plain gpt-1.3b 8 ;;
         table-gpt2)          table gpt2 16 ;;
         table-gpt-1.3b)      table gpt-1.3b 8 ;;
+        table-gpt-1.3b-ddp)  table gpt-1.3b 8 ddp ;;
+        table-gpt-1.3b-fsdp) table gpt-1.3b 8 fsdp ;;
         loss-gpt2)           loss ;;
         resume-gpt2)         resume ;;
         table-8b)            table8b ;;
@@ -405,7 +414,7 @@ for j in "$@"; do
         resume-8b)           resume8b ;;
         scaling-8b)          scaling8b ;;
         throughput-8b)       throughput8b ;;
-        *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
+        *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b table-gpt-1.3b-ddp table-gpt-1.3b-fsdp throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
                 "table-8b eval-8b resume-8b scaling-8b throughput-8b"; exit 2 ;;
     esac
 done

@@ -41,6 +41,8 @@ def test_compile_asked_for_where_it_cannot_run_trains_eagerly_and_says_why(monke
     (dict(backend="te"), "blocks"),  # one GPU: the block stack, one graph
     (dict(backend="te", world_size=2), "per-block"),  # DDP: the all-reduce between replays
     (dict(backend="torch", runs_float8=True), "inductor"),  # torchao float8, compiled
+    # BF16 under DDP: each block compiled, then captured; the all-reduce between replays
+    (dict(backend="torch", world_size=2), "per-block"),
 ])
 def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
     path = plan_graphs(COMPILED, None, device_type="cuda", **where)
@@ -54,7 +56,9 @@ def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
     (None, dict(callbacks=[FP8Stats()]), "FP8Stats"),
     (None, dict(activation_checkpointing="full"), "activation checkpointing"),
     (None, dict(backend="torch"), "BF16 on the PyTorch backend is compiled without them"),
-    (None, dict(backend="torch", runs_float8=True, world_size=2), "several processes"),
+    (None, dict(backend="torch", runs_float8=True, world_size=2), "torchao float8 under DDP"),
+    (None, dict(backend="torch", world_size=2, accumulate_grad_batches=2), "gradient accumulation"),
+    (None, dict(backend="torch", world_size=2, path=FastPath(False, "off")), "compile, which is off"),
     (None, dict(backend="torch", runs_float8=True, accumulate_grad_batches=2), "gradient accumulation"),
     (True, dict(backend="torch", path=FastPath(False, "off")), "model.cuda_graphs=true but the "
      "PyTorch backend replays CUDA graphs through torch.compile, which is off"),

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.gpu,
                                  or not te_status()[0], reason="needs two GPUs and TE")]
 
 LOSS = re.compile(r"^step (\d+) \| loss ([\d.]+)", re.M)
-# GPT-2 shape cut to 4 blocks, FP8 delayed, 8 x 1024 per rank, on the embedded corpus
-ARGS = ["--config", "configs/gpt2_fp8.yaml", "--model.config.n_layer", "4", "--data.batch_size", "8",
+# GPT-2 shape cut to 4 blocks (FP8 delayed unless a test says), 8 x 1024 per rank, on the
+# embedded corpus
+ARGS = ["--model.config.n_layer", "4", "--data.batch_size", "8",
         "--trainer.max_steps", "30", "--trainer.log_every_n_steps", "10",
         "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
         "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "10",
@@ -29,8 +30,9 @@ ARGS = ["--config", "configs/gpt2_fp8.yaml", "--model.config.n_layer", "4", "--d
         "fp8_lightning.TrainingMonitor, init_args: {sample_prompt: null}}]"]
 
 
-def fit(root, *args):
-    result = run_cli("fit", *ARGS, "--trainer.default_root_dir", str(root), *args, timeout=900)
+def fit(root, *args, config="configs/gpt2_fp8.yaml"):
+    result = run_cli("fit", "--config", config, *ARGS, "--trainer.default_root_dir", str(root),
+                     *args, timeout=900)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     return out, {int(s): float(v) for s, v in LOSS.findall(out)}
@@ -71,6 +73,24 @@ def test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu(tmp_path, str
     worst = max(abs(losses[s] - one_gpu_losses[s]) / one_gpu_losses[s] for s in one_gpu_losses)
     print(f"\n[{strategy} 2 GPUs vs 1 GPU] losses {losses} vs {one_gpu_losses}, worst gap {worst:.4f}")
     assert losses[30] < losses[10] - 0.5 and worst < 0.03
+
+
+def test_bf16_on_the_pytorch_backend_replays_a_compiled_graph_per_block_under_ddp(tmp_path):
+    """The package's BF16 baseline under DDP: each block compiled, then captured as its own CUDA
+    graph, DDP's all-reduce between the replays; the losses are those of one GPU reading both
+    ranks' samples, within BF16 tolerance."""
+    bf16 = "configs/gpt2_bf16.yaml"
+    _, one = fit(tmp_path / "one", "--trainer.devices", "1", "--data.emulate_ranks", "2",
+                 "--trainer.accumulate_grad_batches", "2", config=bf16)
+    out, losses = fit(tmp_path / "ddp", "--config", "configs/ddp.yaml", "--trainer.devices", "2",
+                      config=bf16)
+    assert "compile: each block and the loss, for a CUDA graph per block" in out, out[-4000:]
+    assert "CUDA graphs: on, a graph per block" in out
+    assert "4 blocks captured as a graph each for micro-batch 8x1024 (BF16)" in out
+    assert sorted(losses) == sorted(one) == [10, 20, 30]
+    worst = max(abs(losses[s] - one[s]) / one[s] for s in one)
+    print(f"\n[BF16 DDP 2 GPUs vs 1 GPU] losses {losses} vs {one}, worst gap {worst:.4f}")
+    assert losses[30] < losses[10] - 0.5 and worst < 0.02
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-delayed"])

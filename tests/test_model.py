@@ -155,6 +155,35 @@ def test_compiled_regions_keep_names_and_compile_each_region_once():
     torch._dynamo.reset()
 
 
+def test_blocks_compiled_one_by_one_keep_names_and_share_one_graph():
+    """compile_model(per_block=True), the PyTorch backend's layout for a CUDA graph per block
+    under DDP: the same losses and gradients as eager, every block the same compiled code."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    config = GPTConfig(name="tiny", n_layer=2)
+    model = GPT(config)
+    names = [n for n, _ in model.named_parameters()]
+    idx = torch.randint(0, config.vocab_size, (2, 17))
+    eager = model(idx[:, :-1], idx[:, 1:])
+    eager.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_model(model, per_block=True) == "each block and the loss"
+    compiled = model(idx[:, :-1], idx[:, 1:])
+    compiled.backward()
+    assert [n for n, _ in model.named_parameters()] == names
+    assert torch.allclose(compiled, eager, rtol=1e-5)
+    assert all(torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
+               for p, g in zip(model.parameters(), eager_grads))
+    assert counters["stats"]["unique_graphs"] == 2  # both blocks one region, and the loss
+    uncompile_model(model)
+    assert all("residual" not in block.__dict__ for block in model.blocks)
+    torch._dynamo.reset()
+
+
 def test_residual_stream_dtype_follows_fp32_residual():
     """Under BF16 autocast the residual stream stays float32 on the torch backend (nanoGPT's
     behaviour, the baseline's) unless ``fp32_residual=False``, which carries it in BF16 (the TE
