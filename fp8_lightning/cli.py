@@ -294,8 +294,15 @@ class FP8LightningCLI(LightningCLI):
             raise KeyboardInterrupt
         log.warning("Ctrl-C: stopping at the end of this step and saving it (Ctrl-C again to stop "
                     "at once)")
-        # Lightning's own SIGTERM flag: its loops raise SIGTERMException at the end of the step.
-        self.trainer._signal_connector.received_sigterm = True
+        # Several ranks: stop with the others at an agreed step (distributed.AgreedStop); one:
+        # Lightning's own SIGTERM flag, its loops raise SIGTERMException at the end of the step.
+        from .distributed import AgreedStop
+
+        stop = AgreedStop.of(self.trainer)
+        if stop is not None:
+            stop.request()
+        else:
+            self.trainer._signal_connector.received_sigterm = True
 
 
 class Interrupted(SystemExit):
@@ -303,6 +310,7 @@ class Interrupted(SystemExit):
 
     def __init__(self, trainer: Any, signum: int) -> None:
         super().__init__(128 + signum)
+        self.quiet = trainer.global_rank != 0  # several ranks stop together: one line says it
         last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
         saved = getattr(trainer.checkpoint_callback, "_last_ckpt_step", None)
         where = f"the last checkpoint is {last}" if last else "no checkpoint was written"
@@ -525,7 +533,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                            + ", ".join(f"`{c} --help`" for c in EXTRA_COMMANDS)},
         )
     except (UsageError, Interrupted) as err:
-        print(f"error: {err.message}", file=sys.stderr)
+        if not getattr(err, "quiet", False):
+            print(f"error: {err.message}", file=sys.stderr)
         raise SystemExit(err.code) from None
     except Exception as err:
         found = user_error(err)

@@ -3,7 +3,7 @@
 DDP needs no strategy of its own: ``--trainer.strategy ddp`` works as it is, because ``FP8Precision``
 reduces the delayed-scaling amax over the data-parallel group and ``NaNGuard`` all-reduces its
 skip flag every step (one rank's NaN makes every rank skip). What DDP and FSDP2 share here:
-``LaggedSigtermCheck``, Lightning's per-step SIGTERM broadcast without its host sync.
+``AgreedStop``: all ranks stop together on SIGTERM, without Lightning's host sync per step.
 
 Why FSDP2 (``fully_shard``) and not FSDP1 (Lightning's ``FSDPStrategy``):
 
@@ -28,7 +28,6 @@ That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -142,53 +141,97 @@ def gather_policy(weights: str) -> Any:
 UNIT_PARAMS = 200_000_000
 
 
-class LaggedSigtermCheck:
-    """Lightning's per-step SIGTERM broadcast (every rank stops together when rank 0 is told to),
-    read one step late so that it never drains the GPU.
+class AgreedStop:
+    """Several ranks stop together on a SIGTERM or the CLI's Ctrl-C, with no host sync per step.
 
-    Lightning >= 2.6 broadcasts rank 0's flag at every training step and reads it with
-    ``.item()``: a host sync per step, after which the GPU idles while the host issues the next
-    step (BF16 DDP on two H200s: 4-5 ms a step, Lightning-AI/pytorch-lightning#21487; the fix
-    upstream, PR #21640, is unreleased). Here the broadcast is enqueued as before and copied to
-    pinned memory behind an event; each step reads the previous step's copy, which the GPU
-    finished long ago. A SIGTERM stops the run one step later than Lightning's would.
+    Lightning >= 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step and
+    reads it with ``.item()``: a host sync per step, after which the GPU idles while the host
+    issues the next step (BF16 DDP on two H100s: 13-18 ms a step,
+    Lightning-AI/pytorch-lightning#21487; the upstream fix, PR #21640, is unreleased). Here each
+    rank's stop request is all-reduced (max) at every step start instead, and read one step
+    late: from pinned memory behind a CUDA event, which the GPU passed long ago. Every rank then
+    raises Lightning's ``SIGTERMException`` at the same step, the one after the request was seen.
+    The request is kept out of Lightning's own flag until then (its loops would stop the
+    signalled rank alone at the end of its step, leaving the others in a collective), so
+    Lightning's SIGTERM notifier is replaced by :meth:`_on_sigterm`, which records the request
+    and forwards the signal to the local ranks as Lightning's does, without Lightning's extra
+    broadcast from the signal handler.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, trainer: "L.Trainer") -> None:
+        device = trainer.strategy.root_device
+        self.trainer, self.cuda = trainer, device.type == "cuda"
+        self.requested = False  # this rank's request, not yet agreed
         # two slots, used in turn: a step's flag is read while the next one is in flight
         self.flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2)]
-        self.host = [torch.zeros(1, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)]
+        self.host = [torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.steps = 0
 
-    def __call__(self, trainer: "L.Trainer") -> None:
+    def request(self) -> None:
+        """Stop all ranks at a step boundary (this rank's SIGTERM, or the CLI's first Ctrl-C)."""
+        self.requested = True
+
+    def _on_sigterm(self, signum: Any, frame: Any) -> None:
+        log.info("[rank %d] Received SIGTERM: %s", self.trainer.global_rank, signum)
+        launcher = self.trainer.strategy.launcher
+        if not self.requested and launcher is not None:
+            launcher.kill(signum)  # the other local ranks, as Lightning's notifier does
+        self.request()
+
+    def __call__(self) -> None:
+        """At each training step's start, in place of Lightning's broadcast and read."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         i, previous = self.steps % 2, (self.steps + 1) % 2
         self.steps += 1
-        self.flags[i].fill_(1 if getattr(trainer, "received_sigterm", False) else 0)
-        torch.distributed.broadcast(self.flags[i], src=0)
-        self.host[i].copy_(self.flags[i], non_blocking=True)
-        self.events[i].record()
+        self.flags[i].fill_(1 if self.requested else 0)
+        torch.distributed.all_reduce(self.flags[i], op=torch.distributed.ReduceOp.MAX)
+        self.host[i].copy_(self.flags[i], non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i].record()
         if self.steps == 1:
             return
-        self.events[previous].synchronize()  # the previous step's start: passed on the GPU
+        if self.cuda:
+            self.events[previous].synchronize()  # the previous step's start: passed on the GPU
         if int(self.host[previous]) == 1:
-            with contextlib.suppress(Exception):
-                torch.distributed.barrier()  # as Lightning: every rank stops here together
+            # Lightning's flag now: its exception path and the CLI read it as a SIGTERM stop
+            self.trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
 
     @staticmethod
-    def install(trainer: "L.Trainer") -> bool:
-        """Take over the training loop's SIGTERM broadcast of a several-GPU CUDA run; whether
-        it did (elsewhere Lightning's own stays: one process, a CPU, or a Lightning without it)."""
+    def install(trainer: "L.Trainer") -> Optional["AgreedStop"]:
+        """Take over the training loop's per-step SIGTERM broadcast and Lightning's SIGTERM
+        notifier for this fit (several ranks); None where Lightning's own stay (one process, a
+        Lightning without the broadcast, or its notifier not installed: not the main thread)."""
+        import signal
+
+        from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
         loop = trainer.fit_loop.epoch_loop
-        if (trainer.world_size < 2 or trainer.strategy.root_device.type != "cuda"
+        if (trainer.world_size < 2 or not torch.distributed.is_initialized()
                 or not hasattr(loop, "_broadcast_sigterm_tensor")):
-            return False
-        check = LaggedSigtermCheck(trainer.strategy.root_device)
-        loop._broadcast_sigterm_tensor = lambda: check(trainer)
-        return True
+            return None
+        handler = signal.getsignal(signal.SIGTERM)
+        notifier = trainer._signal_connector._sigterm_notifier_fn
+        if not isinstance(handler, _HandlersCompose) or notifier not in handler.signal_handlers:
+            return None
+        stop = AgreedStop(trainer)
+        handler.signal_handlers[handler.signal_handlers.index(notifier)] = stop._on_sigterm
+        loop._broadcast_sigterm_tensor = stop
+        return stop
+
+    @staticmethod
+    def of(trainer: "L.Trainer") -> Optional["AgreedStop"]:
+        """The one installed for this trainer's fit, if any."""
+        stop = trainer.fit_loop.epoch_loop.__dict__.get("_broadcast_sigterm_tensor")
+        return stop if isinstance(stop, AgreedStop) else None
+
+    @staticmethod
+    def uninstall(trainer: "L.Trainer") -> None:
+        """Lightning's broadcast again (a later fit of another module on this trainer); its
+        signal handlers are restored by Lightning at the end of each fit."""
+        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
 def reshards(reshard_after_forward: Optional[bool], fits_one_gpu: Optional[bool]) -> bool:

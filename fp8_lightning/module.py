@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from .checkpoint import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
-from .distributed import LaggedSigtermCheck, full_tensor, is_sharded, reshards
+from .distributed import AgreedStop, full_tensor, is_sharded, reshards
 from .fast_path import GRAPHS_HOW, FastPath, plan_compile, plan_graphs
 from .fp8.plugin import fp8_plugin
 from .layers import runs_float8
@@ -559,12 +559,17 @@ class GPTLightningModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
-        LaggedSigtermCheck.install(self.trainer)  # no host sync per step on several GPUs
+        AgreedStop.install(self.trainer)  # several ranks: no host sync per step for SIGTERM
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)
         if hasattr(datamodule, "verify_resumed"):
             datamodule.verify_resumed()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self._trainer is not None:
+            AgreedStop.uninstall(self._trainer)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

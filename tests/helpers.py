@@ -10,7 +10,7 @@ import os
 import re
 import signal
 import time
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -124,15 +124,16 @@ class SignalAt(Callback):
     """Sends ``signal`` (``SIGTERM``, ``SIGINT``) ``times`` times while step ``step`` runs (at its
     batch start), to its own process, or with ``group`` to its whole process group (as a
     terminal's Ctrl-C or a scheduler does: the data-loader workers get it too; run the CLI in a
-    new session)."""
+    new session); with ``rank``, on that global rank only."""
 
     def __init__(self, step: int, signal: str = "SIGTERM", group: bool = False,
-                 times: int = 1) -> None:
+                 times: int = 1, rank: Optional[int] = None) -> None:
         self.step, self.signal, self.group, self.times = step, signal, group, times
+        self.rank = rank
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if trainer.global_step == self.step - 1:
+        if trainer.global_step == self.step - 1 and self.rank in (None, trainer.global_rank):
             signum = getattr(signal, self.signal)
             for _ in range(self.times):
                 if self.group:

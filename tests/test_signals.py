@@ -19,10 +19,11 @@ def fit(root, data, *args, new_session=False):
         cwd=ROOT, text=True, capture_output=True, timeout=600, start_new_session=new_session)
 
 
-def signal_at(step, name, group=False, times=1):
+def signal_at(step, name, group=False, times=1, rank=None):
     return ["--trainer.callbacks+", "tests.helpers.SignalAt", "--trainer.callbacks.step", str(step),
             "--trainer.callbacks.signal", name, "--trainer.callbacks.group", str(group).lower(),
-            "--trainer.callbacks.times", str(times)]
+            "--trainer.callbacks.times", str(times)] + (
+                [] if rank is None else ["--trainer.callbacks.rank", str(rank)])
 
 
 def error_lines(result):
@@ -71,3 +72,18 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_a_broken_step(tmp_path, sm
     (line,) = error_lines(result)
     assert "stopped by SIGINT at step 2 " in line and "no checkpoint was written" in line, line
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tmp_path, small_vocab):
+    """DDP over two CPU ranks, SIGTERM to rank 1 alone (as when a scheduler's signals reach the
+    ranks in different steps): both stop at the step after it, together, save it, exit 143.
+    (Lightning 2.6's own per-step broadcast stops rank 1 alone here and rank 0 waits for it in
+    the next all-reduce: distributed.AgreedStop.)"""
+    ddp = ["--config", "configs/ddp.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+           "--data.batch_size", "2"]
+    result = fit(tmp_path, small_vocab, *ddp, *signal_at(3, "SIGTERM", rank=1))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert [line.split(" (")[0] for line in error_lines(result)] == [
+        "error: stopped by SIGTERM at step 4"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert saved_step(tmp_path) == 4
