@@ -77,6 +77,34 @@ def fc1_width(ffn_hidden: int, activation: Optional[str]) -> int:
     return 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
 
 
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+def rope_scaling_problems(scaling: Any, position: Optional[str]) -> list[str]:
+    """What is wrong with a ``rope_scaling`` value (none: empty): Llama 3's type and its four
+    positive numbers, the high-frequency factor above the low one."""
+    if scaling is None:
+        return []
+    valid = ("valid: {rope_type: llama3, " + ", ".join(f"{k}: <number>" for k in ROPE_SCALING_KEYS)
+             + "} or unset")
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        return [f"rope_scaling={scaling!r}; {valid}"]
+    problems = [f"rope_scaling.{k}={scaling.get(k)!r} must be a positive number"
+                for k in ROPE_SCALING_KEYS
+                if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))
+                or scaling[k] <= 0]
+    extra = sorted(set(scaling) - {"rope_type", *ROPE_SCALING_KEYS})
+    if extra:
+        problems.append(f"rope_scaling has unknown keys {extra}; {valid}")
+    if not problems and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        problems.append(f"rope_scaling.high_freq_factor={scaling['high_freq_factor']} must be "
+                        f"above low_freq_factor={scaling['low_freq_factor']}")
+    if position != "rope":
+        problems.append(f"rope_scaling needs position=rope, not {position!r}")
+    return problems
+
+
 @dataclass
 class GPTConfig:
     """A GPT-2 or Llama-style decoder. Fields left ``None`` come from the preset ``name``."""
@@ -93,15 +121,23 @@ class GPTConfig:
     n_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention (default: n_head, i.e. multi-head)."""
     n_embd: Optional[int] = None
+    head_size: Optional[int] = None
+    """The attention head dim when it is not n_embd / n_head (Hugging Face's ``head_dim``, e.g.
+    Mistral Nemo's 128 at n_embd 5120 and 32 heads); unset: n_embd / n_head."""
     ffn_hidden: Optional[int] = None
     """MLP hidden width (per branch for SwiGLU)."""
     norm: Optional[Literal["layernorm", "rmsnorm"]] = None
     activation: Optional[Literal["gelu", "swiglu"]] = None
     position: Optional[Literal["learned", "rope"]] = None
     rope_theta: Optional[float] = None
+    rope_scaling: Optional[dict[str, Any]] = None
+    """Llama 3.1/3.2's RoPE frequency scaling: ``{rope_type: llama3, factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings}`` (unset: plain RoPE, as Llama 3.0)."""
     qk_norm: Optional[bool] = None
     """RMSNorm on queries and keys per head (stabilises low-precision attention logits)."""
     bias: Optional[bool] = None
+    qkv_bias: Optional[bool] = None
+    """A bias on the QKV projection (Qwen2's, without the other biases); unset: ``bias``."""
     tie_embeddings: Optional[bool] = None
     norm_eps: Optional[float] = None
     fp32_residual: Optional[bool] = None
@@ -121,6 +157,8 @@ class GPTConfig:
                 setattr(self, f.name, preset[f.name])
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_head
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         self.validate()
         padded = -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         if self.padded_vocab_size is not None and self.padded_vocab_size != padded:
@@ -149,7 +187,12 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def attn_width(self) -> int:
+        """The attention output's width, the output projection's input: n_head x head_dim."""
+        return self.n_head * self.head_dim
 
     @property
     def qkv_width(self) -> int:
@@ -179,12 +222,16 @@ class GPTConfig:
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 problems.append(f"{key}={getattr(self, key)!r}; valid: {', '.join(valid)}")
+        if self.head_size is not None and (not isinstance(self.head_size, int)
+                                           or isinstance(self.head_size, bool) or self.head_size <= 0):
+            problems.append(f"head_size={self.head_size!r} must be a positive integer or unset")
         if not (isinstance(self.norm_eps, float) and self.norm_eps > 0):
             problems.append(f"norm_eps={self.norm_eps!r} must be a positive float")
+        problems += rope_scaling_problems(self.rope_scaling, self.position)
         if problems:  # the dimension checks below need sane integers
             raise ConfigError(problems, f"GPTConfig(name={self.name!r})")
 
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and self.head_size is None:
             divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
             best = min(divisors, key=lambda h: abs(h - self.n_head))
             problems.append(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
@@ -200,13 +247,18 @@ class GPTConfig:
                 problems.append(f"{key}={value} is not a multiple of {FP8_MULTIPLE} (FP8 GEMMs "
                                 f"need it); nearest valid: {nearest_multiple(value, FP8_MULTIPLE)}")
         if not problems:
-            if self.head_dim % FP8_MULTIPLE:
+            if self.head_dim % FP8_MULTIPLE and self.head_size is not None:
+                problems.append(f"head_size={self.head_size} is not a multiple of {FP8_MULTIPLE} "
+                                f"(FP8 GEMMs need it); nearest valid: "
+                                f"{nearest_multiple(self.head_size, FP8_MULTIPLE)}")
+            elif self.head_dim % FP8_MULTIPLE:
                 problems.append(
                     f"head dim n_embd/n_head={self.head_dim} is not a multiple of {FP8_MULTIPLE}; "
                     f"nearest valid n_head: {self._nearest_head_count()}")
             elif self.qkv_width % FP8_MULTIPLE:
                 problems.append(f"QKV width {self.qkv_width} is not a multiple of {FP8_MULTIPLE}")
-        if self.position == "rope" and self.n_embd % self.n_head == 0 and self.head_dim % 2:
+        if self.position == "rope" and (self.head_size or self.n_embd % self.n_head == 0) \
+                and self.head_dim % 2:
             problems.append(f"RoPE needs an even head dim, got {self.head_dim}")
         if problems:
             raise ConfigError(problems, f"GPTConfig(name={self.name!r})")

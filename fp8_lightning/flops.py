@@ -27,7 +27,7 @@ def matmul_params(config: GPTConfig) -> int:
     """Weights multiplied per token: blocks' QKV, output, MLP projections plus the LM head."""
     c = config
     d = c.n_embd
-    attn = d * c.qkv_width + d * d  # QKV (GQA-aware) and the output projection
+    attn = d * c.qkv_width + c.attn_width * d  # QKV (GQA-aware) and the output projection
     mlp = d * (c.fc1_width + c.ffn_hidden)  # fc1 and fc2
     return c.n_layer * (attn + mlp) + c.padded_vocab_size * d
 

@@ -1,4 +1,6 @@
-"""Hugging Face weights in and out: GPT-2 (``GPT2LMHeadModel``) and Llama (``LlamaForCausalLM``);
+"""Hugging Face weights in and out: GPT-2 (``GPT2LMHeadModel``) and Llama (``LlamaForCausalLM``,
+3.1 / 3.2's RoPE scaling included), with Qwen2 (q/k/v biases) and Mistral (no sliding window) read
+as Llama-shaped models;
 ``model.init_from`` reads through it, the ``convert`` command (:mod:`fp8_lightning.commands.convert`)
 writes.
 
@@ -14,6 +16,7 @@ The layouts differ from this package's in four places, all handled here:
   concatenated into the fused ``qkv`` in that order. SwiGLU: ``gate_proj``/``up_proj`` become
   ``fc1`` = [gate; up] (TE's convention: the gate is the first half).
 * The vocabulary is padded (50257 -> 50304) with zero rows going in and sliced off going out.
+* Qwen2's q/k/v biases are concatenated into ``qkv.bias`` as the weights are.
 * RoPE: Hugging Face Llama rotates halves (``rotate_half``), as :func:`~fp8_lightning.model.apply_rope`
   does, so q/k weights are copied as they are (no interleave permutation).
 """
@@ -30,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, GPTConfig
+from .config import ROPE_SCALING_KEYS, ConfigError, GPTConfig
 
 # config.json keys -> GPTConfig fields, per architecture (model_type).
 GPT2_KEYS = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer",
@@ -39,7 +42,11 @@ LLAMA_KEYS = {"vocab_size": "vocab_size", "max_position_embeddings": "block_size
               "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
               "num_key_value_heads": "n_kv_heads", "hidden_size": "n_embd",
               "intermediate_size": "ffn_hidden", "rms_norm_eps": "norm_eps"}
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Read as Llama: the same layers and names (Mistral: without a sliding window; Qwen2: with
+# biases on q, k and v). Written back as Llama, or as Qwen2 where the QKV has a bias.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 # GPT-2's tanh GELU under its Hugging Face names (plain "gelu" is the exact erf form: not ours).
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -96,19 +103,29 @@ def gpt_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTCon
             problems.append(f"hidden_act={hf.get('hidden_act')!r}; valid: silu (SwiGLU)")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
-                problems.append(f"{key}=true; valid: false (this package's Llama has no biases)")
+                problems.append(f"{key}=true; valid: false (this package's Llama has no biases; "
+                                "Qwen2's q/k/v biases are read as model_type qwen2)")
+        window = hf.get("sliding_window")
+        if window is not None and (kind == "mistral" or hf.get("use_sliding_window")) \
+                and window < hf["max_position_embeddings"]:
+            problems.append(f"sliding_window={window}: attention over a window is not supported; "
+                            "valid: null (full causal attention)")
+        if kind == "qwen2":
+            fields["qkv_bias"] = True
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type == "llama3":  # Llama 3.1 / 3.2
+            fields["rope_scaling"] = {"rope_type": "llama3",
+                                      **{k: rope.get(k) for k in ROPE_SCALING_KEYS}}
+        elif rope_type != "default":
             problems.append(f"rope scaling {rope_type!r} (rope_scaling/rope_parameters) is not "
-                            "supported; valid: default (Llama 3.0 and earlier)")
+                            "supported; valid: default (Llama 3.0), llama3 (Llama 3.1, 3.2)")
         theta = hf.get("rope_theta") or rope.get("rope_theta")
         if theta is not None:
             fields["rope_theta"] = float(theta)
         head_dim = hf.get("head_dim")
-        if head_dim is not None and head_dim != hf["hidden_size"] // hf["num_attention_heads"]:
-            problems.append(f"head_dim={head_dim}; valid: hidden_size / num_attention_heads = "
-                            f"{hf['hidden_size'] // hf['num_attention_heads']}")
+        if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+            fields["head_size"] = head_dim  # the attention is wider or narrower than the stream
         fields["tie_embeddings"] = bool(tie)
         name = "llama3-8b"
     if problems:
@@ -124,9 +141,11 @@ def hf_config_from(config: GPTConfig) -> dict[str, Any]:
     """The Hugging Face ``config.json`` of a model; one error when neither architecture fits."""
     c = config
     gpt2 = dict(norm="layernorm", activation="gelu", position="learned", bias=True,
-                tie_embeddings=True, qk_norm=False)
-    llama = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, qk_norm=False)
-    for kind, needs in (("gpt2", gpt2), ("llama", llama)):
+                qkv_bias=True, tie_embeddings=True, qk_norm=False, head_size=None)
+    llama = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                 qkv_bias=False, qk_norm=False)
+    qwen2 = dict(llama, qkv_bias=True)
+    for kind, needs in (("gpt2", gpt2), ("llama", llama), ("qwen2", qwen2)):
         if all(getattr(c, k) == v for k, v in needs.items()):
             break
     else:
@@ -142,13 +161,18 @@ def hf_config_from(config: GPTConfig) -> dict[str, Any]:
                 "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": c.ffn_hidden,
                 "activation_function": "gelu_new", "layer_norm_epsilon": c.norm_eps,
                 "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256}
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:  # transformers 5 reads rope_parameters, earlier versions rope_scaling
+        rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
+        common["rope_scaling"] = dict(c.rope_scaling)
     return {**common, "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden,
             "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
             "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
             "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "hidden_act": "silu", "mlp_bias": False,
+            **({} if kind == "qwen2" else {"attention_bias": False}),
             "tie_word_embeddings": bool(c.tie_embeddings), "rope_theta": c.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+            "rope_parameters": rope}
 
 
 # ------------------------------------------------------------------------------- weight names
@@ -173,8 +197,10 @@ def _gpt2_names(n_layer: int) -> list[tuple[str, str, bool]]:
     return names
 
 
-def _llama_names(n_layer: int, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
-    """(ours, Hugging Face's parts concatenated along dim 0) for Llama."""
+def _llama_names(n_layer: int, tied: bool, qkv_bias: bool = False
+                 ) -> list[tuple[str, tuple[str, ...]]]:
+    """(ours, Hugging Face's parts concatenated along dim 0) for Llama (and Qwen2's q/k/v
+    biases)."""
     names = [("wte.weight", ("model.embed_tokens.weight",)), ("norm_f.weight", ("model.norm.weight",))]
     if not tied:
         names.append(("lm_head.weight", ("lm_head.weight",)))
@@ -182,6 +208,8 @@ def _llama_names(n_layer: int, tied: bool) -> list[tuple[str, tuple[str, ...]]]:
         b, h = f"blocks.{i}.", f"model.layers.{i}."
         names += [(b + "qkv.layer_norm_weight", (h + "input_layernorm.weight",)),
                   (b + "qkv.weight", tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")),
+                  *([(b + "qkv.bias", tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"))]
+                    if qkv_bias else []),
                   (b + "proj.weight", (h + "self_attn.o_proj.weight",)),
                   (b + "mlp.layer_norm_weight", (h + "post_attention_layernorm.weight",)),
                   (b + "mlp.fc1_weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")),
@@ -236,7 +264,7 @@ def state_dict_from_hf(config: GPTConfig, kind: str, tensors: dict[str, torch.Te
         pairs = [(ours, (theirs,), t) for ours, theirs, t in _gpt2_names(config.n_layer)]
     else:
         pairs = [(ours, theirs, False) for ours, theirs in
-                 _llama_names(config.n_layer, config.tie_embeddings)]
+                 _llama_names(config.n_layer, config.tie_embeddings, config.qkv_bias)]
     missing = sorted({t for _, theirs, _ in pairs for t in theirs if t not in tensors})
     if missing:
         raise ConfigError([f"tensor {m!r} is missing (the config says {config.n_layer} "
@@ -360,10 +388,9 @@ def state_dict_to_hf(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[
             out["transformer." + theirs] = t.t() if transposed else t
         return {k: v.contiguous() for k, v in out.items()}
     c = config
-    sizes = {"qkv.weight": [c.n_head * c.head_dim, c.n_kv_heads * c.head_dim,
-                            c.n_kv_heads * c.head_dim],
-             "mlp.fc1_weight": [c.ffn_hidden, c.ffn_hidden]}
-    for ours, theirs in _llama_names(c.n_layer, c.tie_embeddings):
+    qkv = [c.attn_width, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
+    sizes = {"qkv.weight": qkv, "qkv.bias": qkv, "mlp.fc1_weight": [c.ffn_hidden, c.ffn_hidden]}
+    for ours, theirs in _llama_names(c.n_layer, c.tie_embeddings, c.qkv_bias):
         t = state[ours]
         if ours in ("wte.weight", "lm_head.weight"):
             t = t[:vocab]

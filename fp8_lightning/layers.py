@@ -62,8 +62,9 @@ class _Gemms:
 
 
 def runs_float8(model: nn.Module) -> bool:
-    """Does any of ``model``'s PyTorch GEMM layers run an FP8 engine's float8 GEMM now?"""
-    return any(isinstance(m, _Gemms) and m.float8 is not None for m in model.modules())
+    """Does any of ``model``'s PyTorch GEMM layers (or a user's ``nn.Linear`` the torchao engine
+    converted) run an FP8 engine's float8 GEMM now?"""
+    return any(getattr(m, "float8", None) is not None for m in model.modules())
 
 
 class TorchNorm(_NoExtraState, nn.Module):

@@ -58,7 +58,7 @@ def num_params(config: GPTConfig) -> int:
     c = config
     h = c.n_embd
     norm = h * (2 if c.norm == "layernorm" else 1)
-    per_block = 2 * norm + (c.qkv_width + h + c.fc1_width + h if c.bias else 0)
+    per_block = 2 * norm + (c.qkv_width if c.qkv_bias else 0) + (h + c.fc1_width + h if c.bias else 0)
     per_block += 2 * c.head_dim if c.qk_norm else 0
     embeddings = 0 if c.tie_embeddings else c.padded_vocab_size * h  # tied: the head's weight
     embeddings += c.block_size * h if c.position == "learned" else 0
@@ -127,7 +127,7 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
         # TE keeps each GEMM's FP8 weight and its transpose for the backward of every block whose
         # forward it keeps; under FSDP2 they are copies of gathered weights, beside the shards
         # (on one GPU they are the working copies above). A recomputed block has its own.
-        attn_w, mlp_w = h * q + h * h, h * (f1 + f)
+        attn_w, mlp_w = h * q + c.attn_width * h, h * (f1 + f)
         if run.activation_checkpointing == "full":
             kept_w = (c.n_layer - checkpointed + min(1, checkpointed)) * (attn_w + mlp_w)
         elif run.activation_checkpointing == "mlp":
@@ -137,7 +137,8 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
         working += 2 * kept_w
     r = 4 if run.fp32_residual else 2
     g = 1 if run.fp8 else 2
-    attention = (r + g) * h + 2 * q + 2 * h + (h if run.fp8 else 0)
+    aw = c.attn_width  # attention's output: the output projection's input
+    attention = (r + g) * h + 2 * q + 2 * aw + (aw if run.fp8 else 0)
     mlp_inner = g * h + 2 * f1 + g * f
     block = attention + r * h + mlp_inner  # bytes per token
     if run.activation_checkpointing == "full":

@@ -12,6 +12,7 @@ modules (head split, QK-norm, RoPE, SDPA, the loss), leaving TE's modules to TE.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -44,11 +45,29 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache(seq_len: int, head_dim: int, theta: float,
+               scaling: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables cos, sin (seq_len, head_dim); ``scaling``: Llama 3's (``rope_scaling``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (as Meta's reference and ``transformers``' ``llama3`` type): the
+    wavelengths beyond the original context divided by ``factor``, those within its
+    ``high_freq_factor``-th kept, the band between interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,13 +94,13 @@ class Block(nn.Module):
         self.recompute, self.backend = recompute, layers.backend
         self.n_head, self.n_kv_heads, self.head_dim = c.n_head, c.n_kv_heads, c.head_dim
         init, out_init = normal_init(0.02), normal_init(residual_std(c.n_layer))
-        self.qkv = layers.norm_linear(c.n_embd, c.qkv_width, bias=c.bias, norm=c.norm,
+        self.qkv = layers.norm_linear(c.n_embd, c.qkv_width, bias=c.qkv_bias, norm=c.norm,
                                       eps=c.norm_eps, init_method=init)
         if c.qk_norm:  # a norm over head_dim is no GEMM: the PyTorch one, compiled with RoPE
             self.q_norm = TorchNorm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
             self.k_norm = TorchNorm(c.head_dim, kind="rmsnorm", eps=c.norm_eps)
         self.core = layers.core_attention(c.n_head, c.n_kv_heads, c.head_dim)
-        self.proj = layers.linear(c.n_embd, c.n_embd, bias=c.bias, init_method=out_init)
+        self.proj = layers.linear(c.attn_width, c.n_embd, bias=c.bias, init_method=out_init)
         self.mlp = layers.norm_mlp(c.n_embd, c.ffn_hidden, bias=c.bias, norm=c.norm,
                                    eps=c.norm_eps, activation=c.activation, init_method=init,
                                    output_layer_init_method=out_init, checkpoint=recompute_mlp)
@@ -103,7 +122,7 @@ class Block(nn.Module):
         return q.contiguous(), k.contiguous(), v.contiguous()
 
     def attend(self, h: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        """Heads, then causal attention: (B, T, (nh + 2 nkv) hs) -> (B, T, C)."""
+        """Heads, then causal attention: (B, T, (nh + 2 nkv) hs) -> (B, T, nh hs)."""
         return self.core(*self.heads(h, *rope))
 
     def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
@@ -169,7 +188,7 @@ class GPT(nn.Module):
         if c.position == "learned":
             self.wpe = nn.Embedding(c.block_size, c.n_embd, device=device)
         else:
-            cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta)
+            cos, sin = rope_cache(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         # The chosen blocks: with "full" their whole forward is recomputed in the backward, with

@@ -22,6 +22,28 @@ TINY = {
         vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rope_theta=500000.0)),
+    # Llama 3.1 / 3.2's RoPE scaling; an original context of 16 puts head_dim 16's frequencies
+    # in all three bands (kept, interpolated, divided by the factor)
+    "llama3.1": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 16})),
+    # Qwen2 / 2.5: biases on q, k and v only; a tied head as the small Qwen2.5 models have
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Mistral without a sliding window (v0.2 on), read as Llama
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=None)),
+    # an explicit head_dim wider than hidden / heads (attention 4 x 32 = 128 wide, stream 64)
+    "llama-head-dim": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)),
 }
 
 

@@ -53,6 +53,37 @@ def test_bad_dimensions_name_the_field_and_a_valid_value(overrides, message):
         GPTConfig(name="gpt2", **overrides)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0}, r"rope_scaling=.*'yarn'.*valid: \{rope_type: llama3"),
+    (dict(LLAMA3, factor=0), r"rope_scaling.factor=0 must be a positive number"),
+    (dict(LLAMA3, high_freq_factor=True), r"rope_scaling.high_freq_factor=True must be a positive"),
+    (dict(LLAMA3, high_freq_factor=0.5), r"high_freq_factor=0.5 must be above low_freq_factor=1.0"),
+    (dict(LLAMA3, beta=1), r"rope_scaling has unknown keys \['beta'\]"),
+])
+def test_rope_scaling_is_llama3s_or_one_error_naming_the_key(scaling, message):
+    with pytest.raises(ConfigError, match=message):
+        GPTConfig(name="llama3-8b", rope_scaling=scaling)
+    with pytest.raises(ConfigError, match="rope_scaling needs position=rope, not 'learned'"):
+        GPTConfig(name="gpt2", rope_scaling=LLAMA3)
+    config = GPTConfig(name="llama3-8b", rope_scaling=LLAMA3)  # Llama 3.1 8B's
+    assert GPTConfig.from_dict(config.to_dict()) == config  # as checkpoints record it
+
+
+def test_an_explicit_head_size_sets_the_attention_width_and_must_suit_fp8():
+    config = GPTConfig(name="tiny-llama", head_size=32)  # 4 heads of 32: attention 128 wide
+    assert (config.head_dim, config.attn_width, config.n_embd) == (32, 128, 64)
+    assert config.qkv_width == (config.n_head + 2 * config.n_kv_heads) * 32
+    with pytest.raises(ConfigError, match="head_size=24 is not a multiple of 16 .* nearest valid: 32"):
+        GPTConfig(name="tiny-llama", head_size=24)
+    with pytest.raises(ConfigError, match="head_size=True must be a positive integer or unset"):
+        GPTConfig(name="tiny-llama", head_size=True)
+    assert GPTConfig(name="gpt2").qkv_bias and not GPTConfig(name="llama3-8b").qkv_bias  # = bias
+
+
 def test_head_dim_not_multiple_of_16_suggests_a_head_count():
     with pytest.raises(ConfigError) as err:
         GPTConfig(name="gpt2", n_head=64)  # head dim 12

@@ -90,8 +90,14 @@ def test_te_and_torch_agree_on_logits_and_checkpoints_cross_load(tokens):
             torch.testing.assert_close(back.state_dict()[k], v)
 
 
-def test_llama_family_on_te_matches_torch():
-    cfg = dict(name="tiny-llama", n_embd=128, n_head=8, n_kv_heads=2, ffn_hidden=256)
+@pytest.mark.parametrize("extra", [{}, {"qkv_bias": True, "head_size": 32, "qk_norm": False,
+                                       "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                        "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16}}],
+                         ids=["llama3", "qwen2-style-wide-heads-llama3.1-rope"])
+def test_llama_family_on_te_matches_torch(extra):
+    cfg = dict(name="tiny-llama", n_embd=128, n_head=8, n_kv_heads=2, ffn_hidden=256, **extra)
     torch.manual_seed(0)
     te_model = GPT(GPTConfig(**cfg), backend="te").cuda().eval()
     torch_model = GPT(GPTConfig(**cfg), backend="torch").cuda().eval()

@@ -11,10 +11,16 @@ from fp8_lightning.model import GPT
 
 @pytest.mark.parametrize("name,overrides", [("tiny", {}), ("tiny-llama", {}),
                                             ("tiny", {"tie_embeddings": False}),
-                                            ("tiny-llama", {"bias": True, "qk_norm": False})])
+                                            ("tiny-llama", {"bias": True, "qk_norm": False}),
+                                            # Qwen2's QKV bias; an attention wider than the stream
+                                            ("tiny-llama", {"qkv_bias": True, "head_size": 32})])
 def test_parameter_count_is_the_models(name, overrides):
     config = GPTConfig.from_name(name, **overrides)
-    assert num_params(config) == sum(p.numel() for p in GPT(config).parameters())
+    model = GPT(config)
+    assert num_params(config) == sum(p.numel() for p in model.parameters())
+    gemms = [m.weight for n, m in model.named_modules() if n.endswith(("qkv", "proj", "lm_head"))]
+    gemms += [p for n, p in model.named_parameters() if n.endswith(("fc1_weight", "fc2_weight"))]
+    assert matmul_params(config) == sum(p.numel() for p in gemms)
 
 
 def test_training_state_is_16_bytes_a_parameter_and_shards_split_it():

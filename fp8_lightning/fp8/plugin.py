@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..te_support import fallback_precision
 from .engine import Engine
 from .engines import get_engine
-from .policy import bf16_module_names, find_gpt, runs_bf16
+from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
 from .recipes import DEFAULT_RECIPE, ENGINES, RECIPES, build_recipe_config, recipe_names
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class FP8PrecisionBase(FabricPrecision):
         return "torch" if self.auto_bf16 else self.engine.backend
 
     def _check_layers(self, gpt: nn.Module) -> None:
-        n_layer = len(getattr(gpt, "blocks", []))
+        n_layer = find_blocks(gpt)[1]
         too_many = [f"{key}={value} is more than the model's {n_layer} blocks"
                     for key, value in (("bf16_first_layers", self.bf16_first_layers),
                                        ("bf16_last_layers", self.bf16_last_layers))
@@ -210,6 +210,10 @@ class FP8PrecisionBase(FabricPrecision):
         if self.auto_bf16:
             return False, self.auto_bf16
         if ok and not self.engine.gemm_modules(gpt):
+            if any(isinstance(m, nn.Linear) for m in gpt.modules()):  # a user's own model
+                return False, (f"the model's GEMMs are plain nn.Linear, which engine "
+                               f"{self.engine.name!r} does not convert; use a torchao recipe "
+                               "(recipe: tensorwise), which does")
             backend = self.engine.backend
             return False, (f"the model has no layers engine {self.engine.name!r} converts (they "
                            f"are those of model.backend: {backend}); use model.backend: "

@@ -7,7 +7,7 @@ stays BF16, e.g. ``blocks.0.mlp.fc2_weight``)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -25,6 +25,33 @@ def find_gpt(module: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else module
 
 
+def find_blocks(model: nn.Module) -> tuple[str, int]:
+    """The model's repeated transformer blocks: (their ``nn.ModuleList``'s name, how many).
+
+    This package's GPT has ``blocks``; another model's are its longest ``nn.ModuleList``
+    (nanoGPT's ``transformer.h``, Hugging Face Llama's ``model.layers``, torchtitan's
+    ``layers``); ("", 0) when it has none."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return "blocks", len(blocks)
+    lists = [(len(m), name) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if not lists:
+        return "", 0
+    n, name = max(lists, key=lambda x: x[0])  # the first of the longest
+    return name, n
+
+
+def find_lm_head(model: nn.Module) -> Optional[str]:
+    """The LM head's module name: ``lm_head`` at any depth (this package, nanoGPT, Hugging
+    Face), else a top-level ``output`` (Meta's and torchtitan's Llama); None when neither."""
+    names = [name for name, _ in model.named_modules()]
+    heads = [n for n in names if n == "lm_head" or n.endswith(".lm_head")]
+    if heads:
+        return heads[0]
+    return "output" if "output" in names else None
+
+
 def gemm_dims_ok(module: nn.Module) -> bool:
     """Every weight matrix of ``module`` has both dims multiples of 16 (FP8 GEMMs need them)."""
     return all(p.shape[0] % FP8_MULTIPLE == 0 and p.shape[1] % FP8_MULTIPLE == 0
@@ -34,20 +61,21 @@ def gemm_dims_ok(module: nn.Module) -> bool:
 def bf16_module_names(model: nn.Module, gemm_modules: dict[str, nn.Module], *,
                       fp8_lm_head: bool, bf16_first_layers: int,
                       bf16_last_layers: int) -> dict[str, str]:
-    """``{module name: why it stays BF16}`` for a GPT whose GEMM modules are ``gemm_modules``.
+    """``{module name: why it stays BF16}`` for a model whose GEMM modules are ``gemm_modules``.
 
-    A module under ``blocks.<i>`` is a transformer block; ``lm_head`` is the LM head. Every other
-    GEMM module runs FP8 when its dims are multiples of 16.
+    The blocks are :func:`find_blocks`' (``blocks.<i>`` in this package's GPT), the LM head
+    :func:`find_lm_head`'s. Every other GEMM module runs FP8 when its dims are multiples of 16.
     """
     keep: dict[str, str] = {}
-    n = len(getattr(model, "blocks", []))
+    prefix, n = find_blocks(model)
     for i in range(n):
         if i < bf16_first_layers:
-            keep[f"blocks.{i}"] = f"bf16_first_layers={bf16_first_layers}"
+            keep[f"{prefix}.{i}"] = f"bf16_first_layers={bf16_first_layers}"
         elif i >= n - bf16_last_layers:
-            keep[f"blocks.{i}"] = f"bf16_last_layers={bf16_last_layers}"
-    if not fp8_lm_head and hasattr(model, "lm_head"):
-        keep["lm_head"] = "fp8_lm_head=false"
+            keep[f"{prefix}.{i}"] = f"bf16_last_layers={bf16_last_layers}"
+    head = find_lm_head(model)
+    if not fp8_lm_head and head is not None:
+        keep[head] = "fp8_lm_head=false"
     for name, module in gemm_modules.items():
         if not gemm_dims_ok(module) and not any(name.startswith(k + ".") or name == k for k in keep):
             keep[name] = f"GEMM dims not multiples of {FP8_MULTIPLE}"
@@ -60,9 +88,11 @@ def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
 
 
 def gemm_weights(module: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``)."""
-    return {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)
-            if p.ndim == 2}
+    """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``;
+    Hugging Face's ``Conv1D`` stores its weight (in, out))."""
+    flip = type(module).__name__ == "Conv1D"
+    return {name: tuple(p.shape[::-1] if flip else p.shape)
+            for name, p in module.named_parameters(recurse=False) if p.ndim == 2}
 
 
 def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:

@@ -145,6 +145,30 @@ def forget_float8_scales(weights: list[torch.Tensor]) -> None:
         getattr(w, "_local_tensor", w)._precomputed_scale = None
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face GPT-2's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def route_linear(module: nn.Module) -> None:
+    """Give a user's ``nn.Linear`` (or Hugging Face's ``Conv1D``) the switch this package's layers
+    have (``float8``: the engine's GEMM, or None for the module's own forward). The module, its
+    parameters and its state dict stay as they are, so its checkpoints load with or without FP8;
+    swapping it for torchao's ``Float8Linear`` would not let the BF16 fallback switch back in
+    place (and ``Conv1D`` is no ``nn.Linear``)."""
+    module.float8 = None
+    # a partial, not a closure: a deep copy of the module (EMA, SWA) then calls its own weights
+    module.forward = functools.partial(_routed_forward, module)
+
+
+def _routed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gemm = module.float8
+    if gemm is None:
+        return type(module).forward(module, x)
+    weight = module.weight.t() if is_conv1d(module) else module.weight  # (out, in)
+    return gemm(x, weight, module.bias)
+
+
 def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear`` for the BF16 fallback of a float8-gathered weight: FSDP2 hands the GEMM a
@@ -179,9 +203,11 @@ class TorchaoEngine(Engine):
         return True, gpu
 
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """This package's PyTorch layers and any other model's ``nn.Linear`` modules."""
         from ..layers import _Gemms
 
-        return {name: m for name, m in model.named_modules() if isinstance(m, _Gemms)}
+        return {name: m for name, m in model.named_modules()
+                if isinstance(m, (_Gemms, nn.Linear)) or is_conv1d(m)}
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
@@ -240,6 +266,9 @@ class TorchaoEngine(Engine):
                 bf16_modules: dict[str, str]) -> list[Any]:
         self.converted = {name: m for name, m in self.gemm_modules(model).items()
                           if not runs_bf16(name, bf16_modules)}
+        for module in self.converted.values():
+            if (isinstance(module, nn.Linear) or is_conv1d(module)) and not hasattr(module, "float8"):
+                route_linear(module)
         self.gemms = {name: float8_linear(config["recipe"], frozenset(
             shape for weight, shape in gemm_weights(m).items() if f"{name}.{weight}" in bf16_modules))
             for name, m in self.converted.items()}

@@ -1,5 +1,6 @@
 """The ``convert`` command: Hugging Face directories in and out, against ``transformers`` itself on
-tiny GPT-2 and Llama models (tests/_hf.py)."""
+tiny GPT-2, Llama (3.0, 3.1's RoPE scaling, an explicit head_dim), Qwen2 and Mistral models
+(tests/_hf.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def test_round_trip_in_then_out_is_identical_and_loads_in_transformers(hf_dirs, 
     for key, tensor in written.items():
         assert torch.equal(tensor, original[key]), key
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(loaded) is type(reference)
+    # Mistral without a sliding window is Llama's architecture: it comes back as Llama
+    expected = transformers.LlamaForCausalLM if arch == "mistral" else type(reference)
+    assert type(loaded) is expected
     idx = torch.randint(0, reference.config.vocab_size, (1, 16))
     with torch.no_grad():
         assert torch.equal(loaded(idx).logits, reference(idx).logits)
@@ -63,6 +66,11 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
     short = dict(load_file(gpt2_dir / "model.safetensors"))
     short.pop("transformer.h.1.mlp.c_fc.weight")
     missing_tensor = write_dir(tmp_path, "missing", gpt2_config, short)
+    llama_config = json.loads((hf_dirs["llama"][0] / "config.json").read_text())
+    windowed = write_dir(tmp_path, "windowed", dict(llama_config, model_type="mistral",
+                                                    sliding_window=16))
+    yarn = write_dir(tmp_path, "yarn", dict(llama_config, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}))
     pickled = write_dir(tmp_path, "pickled", gpt2_config)
     (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"a": 1}))
     cases = [
@@ -72,6 +80,10 @@ def test_bad_input_is_one_error_line_naming_the_file_and_field(hf_dirs, tmp_path
         (["convert", "--from-hf", missing_tensor, tmp_path / "d.ckpt"],
          "tensor 'h.1.mlp.c_fc.weight' is missing"),
         (["convert", "--from-hf", pickled, tmp_path / "e.ckpt"], "never unpickled"),
+        (["convert", "--from-hf", windowed, tmp_path / "w.ckpt"], "sliding_window=16: attention "
+         "over a window is not supported; valid: null"),
+        (["convert", "--from-hf", yarn, tmp_path / "y.ckpt"], "rope scaling 'yarn' "
+         "(rope_scaling/rope_parameters) is not supported; valid: default (Llama 3.0), llama3"),
         (["convert", "--from-hf", tmp_path / "nowhere", tmp_path / "f.ckpt"], "does not exist"),
         (["convert", "--to-hf", tmp_path / "nothing.ckpt", tmp_path / "out"], "does not exist"),
         (["convert", tmp_path / "x"], "give exactly one of --from_hf DIR or --to_hf CHECKPOINT"),

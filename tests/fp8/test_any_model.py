@@ -1,0 +1,132 @@
+"""FP8 for a model this package did not build: a nanoGPT-style GPT of plain ``torch.nn``
+(``examples/own_model.py``) under the same layer policy and the torchao engine, whose float8
+GEMMs run on a CPU too (``torch._scaled_mm`` has a CPU kernel). The TE engine's conversion of
+``nn.Linear`` needs a GPU."""
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from fp8_lightning.fp8 import bf16_module_names, build_recipe_config, get_engine
+from fp8_lightning.fp8.policy import find_blocks, find_lm_head
+from tests._runs import ROOT
+
+torchao = pytest.importorskip("torchao")
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pair():
+    """The example's model twice, the same weights: one to convert, one BF16 reference."""
+    own = example()
+    torch.manual_seed(0)
+    model = own.NanoGPT(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    twin = own.NanoGPT(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def test_the_policy_finds_a_users_blocks_and_lm_head():
+    model, _ = pair()
+    assert find_blocks(model) == ("transformer.h", 4) and find_lm_head(model) == "lm_head"
+    engine = get_engine("torchao")
+    gemms = engine.gemm_modules(model)
+    assert len(gemms) == 4 * 4 + 1  # four nn.Linear a block and the head
+    keep = bf16_module_names(model, gemms, fp8_lm_head=False, bf16_first_layers=1,
+                             bf16_last_layers=1)
+    assert keep == {"transformer.h.0": "bf16_first_layers=1", "transformer.h.3": "bf16_last_layers=1",
+                    "lm_head": "fp8_lm_head=false"}
+    odd = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))  # 40: not a multiple of 16
+    assert bf16_module_names(odd, engine.gemm_modules(odd), fp8_lm_head=False,
+                             bf16_first_layers=0, bf16_last_layers=0) == {
+        "0": "GEMM dims not multiples of 16", "1": "GEMM dims not multiples of 16"}
+
+
+def test_a_users_linears_run_float8_switch_back_and_keep_their_checkpoints():
+    model, twin = pair()
+    engine = get_engine("torchao")
+    keep = {"lm_head": "fp8_lm_head=false"}
+    engine.convert(model, build_recipe_config("tensorwise"), keep)
+    assert len(engine.modules_ran(model)) == 16 and "lm_head" not in engine.modules_ran(model)
+    idx = torch.randint(0, 512, (2, 32))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fp8 = model(idx).float().logsumexp(-1).mean()
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm") == 16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = twin(idx).float().logsumexp(-1).mean()
+    assert fp8.item() != bf16.item() and abs(fp8.item() - bf16.item()) < 0.05 * abs(bf16.item())
+    fp8.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # the BF16 fallback: F.linear again, the twin's numbers
+    engine.set_enabled(model, False)
+    assert engine.modules_ran(model) == []
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(model(idx), twin(idx))
+    # the same module types and plain tensors under the same names: checkpoints load either way
+    assert [type(m) for m in model.modules()] == [type(m) for m in twin.modules()]
+    state = model.state_dict()
+    assert state.keys() == twin.state_dict().keys()
+    assert all(type(v) is torch.Tensor for v in state.values())
+
+
+def test_the_example_trains_under_the_plugin_and_says_what_ran():
+    """On this CPU the plugin falls back (no FP8 GPU) and says why; on an FP8 GPU the same
+    script trains float8 (tests/test_gpu_engines.py)."""
+    run = example().main(["--steps", "6", "--batch_size", "4"])
+    plugin, trainer = run["plugin"], run["trainer"]
+    assert trainer.global_step == 6
+    assert plugin.fp8_active or "no CUDA GPU is visible" in plugin.reason
+    assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_hugging_face_model_runs_float8_through_the_same_path(arch):
+    """``LlamaForCausalLM`` (``nn.Linear``) and ``GPT2LMHeadModel`` (Hugging Face's ``Conv1D``,
+    weights stored (in, out)): the policy finds ``model.layers`` / ``transformer.h`` and
+    ``lm_head``, every block GEMM runs float8, and the logits stay close to BF16's."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        blocks, per_block = "model.layers", 7  # q, k, v, o, gate, up, down
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+        blocks, per_block = "transformer.h", 4  # c_attn, c_proj, c_fc, mlp.c_proj
+    model.eval()
+    twin = copy.deepcopy(model)
+    assert find_blocks(model) == (blocks, 2) and find_lm_head(model) == "lm_head"
+    engine = get_engine("torchao")
+    gemms = engine.gemm_modules(model)
+    keep = bf16_module_names(model, gemms, fp8_lm_head=False, bf16_first_layers=0,
+                             bf16_last_layers=0)
+    assert keep == {"lm_head": "fp8_lm_head=false"}  # every block GEMM's dims are multiples of 16
+    engine.convert(model, build_recipe_config("tensorwise"), keep)
+    assert len(engine.modules_ran(model)) == 2 * per_block
+    idx = torch.randint(0, 1000, (2, 32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fp8 = model(idx).logits.float()
+        bf16 = twin(idx).logits.float()
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm") == 2 * per_block
+    assert not torch.equal(fp8, bf16)
+    assert (fp8 - bf16).abs().mean() < 0.1 * bf16.abs().mean()
+    copied = copy.deepcopy(model)  # a copy's routed GEMMs use the copy's own weights
+    with torch.no_grad():
+        next(p for n, p in copied.named_parameters() if n.endswith("0.mlp.c_fc.weight")
+             or n.endswith("0.mlp.up_proj.weight")).zero_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(idx).logits.float(), fp8)  # the original is untouched
+            assert not torch.equal(copied(idx).logits.float(), fp8)  # the copy runs its own
