@@ -6,10 +6,11 @@
 
 The plugin finds the model's blocks (its longest ``nn.ModuleList``, here ``transformer.h``) and
 its LM head (``lm_head``) for the layer policy, runs every other ``nn.Linear`` whose dims are
-multiples of 16 in float8 (torchao's ``tensorwise`` on an FP8 GPU), keeps the LM head in BF16,
+multiples of 16 in FP8 (torchao's ``tensorwise`` in place; a TE recipe such as ``delayed`` swaps
+it for a ``te.Linear`` holding the same parameters), keeps the LM head in BF16,
 checks after the first step that FP8 really ran, and falls back to BF16 (or FP32 on a CPU without
-BF16 instructions) with the reason where FP8 cannot run. The model and its checkpoints are
-unchanged by it: the same module types and parameter names with FP8 or without.
+BF16 instructions) with the reason where FP8 cannot run. Its checkpoints are unchanged by it: the
+same parameter names and state-dict keys with FP8 or without, on either engine.
 """
 
 from __future__ import annotations
@@ -70,10 +71,17 @@ class NanoGPT(nn.Module):
 
 class LitNanoGPT(L.LightningModule):
     def __init__(self, vocab_size: int = 512, block_size: int = 64, n_layer: int = 4,
-                 n_head: int = 4, n_embd: int = 128, lr: float = 1e-3) -> None:
+                 n_head: int = 4, n_embd: int = 128, lr: float = 1e-3,
+                 compile: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = NanoGPT(vocab_size, block_size, n_layer, n_head, n_embd)
+
+    def on_fit_start(self) -> None:
+        # Compiled here, after the plugin converted the model at setup (in place: the
+        # parameter names stay those of the model, for checkpoints with FP8 or without).
+        if self.hparams.compile:
+            self.model.compile()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
@@ -82,14 +90,16 @@ class LitNanoGPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                 fused=self.device.type == "cuda")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--recipe", default="tensorwise", help="an FP8Precision recipe")
+    parser.add_argument("--recipe", default="tensorwise", help="an FP8Precision recipe: "
+                        "tensorwise / rowwise (torchao) or delayed / current / block (TE)")
     args = parser.parse_args(argv)
     L.seed_everything(0)
     module = LitNanoGPT()

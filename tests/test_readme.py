@@ -42,6 +42,9 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "python -m fp8_lightning fit --config configs/quickstart.yaml": (
         "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",
         "tests/test_cli.py::test_quickstart_loss_falls"),
+    "python examples/own_model.py --steps 20 --recipe delayed": (
+        "tests/fp8/test_any_model.py::test_the_example_trains_under_the_plugin_and_says_what_ran",
+        "tests/test_gpu_any_model.py::test_the_example_trains_fp8_under_the_plugin"),
     "python -m fp8_lightning doctor": ("tests/commands/test_doctor.py::test_no_config_reports_the_environment",),
     "tensorboard --logdir runs/quickstart": (  # a viewer: what it shows is checked
         "tests/test_cli.py::test_quickstart_fit_writes_checkpoint_and_tensorboard",

@@ -30,6 +30,10 @@ class Engine:
         """The named modules that run GEMMs this engine can run in FP8."""
         raise NotImplementedError
 
+    def cannot_convert(self, model: nn.Module) -> Optional[str]:
+        """Why this engine cannot make ``model``'s GEMMs FP8, or None when it can."""
+        return None
+
     def convert(self, model: nn.Module, config: dict[str, Any],
                 bf16_modules: dict[str, str]) -> list[Any]:
         """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove."""

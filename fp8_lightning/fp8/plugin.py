@@ -209,11 +209,9 @@ class FP8PrecisionBase(FabricPrecision):
         ok, reason = self.engine.available(self.recipe_config["recipe"])
         if self.auto_bf16:
             return False, self.auto_bf16
+        if ok and (why := self.engine.cannot_convert(gpt)):
+            return False, why
         if ok and not self.engine.gemm_modules(gpt):
-            if any(isinstance(m, nn.Linear) for m in gpt.modules()):  # a user's own model
-                return False, (f"the model's GEMMs are plain nn.Linear, which engine "
-                               f"{self.engine.name!r} does not convert; use a torchao recipe "
-                               "(recipe: tensorwise), which does")
             backend = self.engine.backend
             return False, (f"the model has no layers engine {self.engine.name!r} converts (they "
                            f"are those of model.backend: {backend}); use model.backend: "

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
+from .policy import runs_bf16
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
                             strip_extra_state, te_modules)
@@ -52,6 +54,36 @@ def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in modules.items() if not isinstance(m, attention)}
 
 
+def te_linear_like(linear: nn.Linear) -> nn.Module:
+    """A ``te.Linear`` holding ``linear``'s own parameters: the same ``weight`` / ``bias`` objects
+    under the same names, so an optimizer made before (Fabric), weight tying and the user's
+    checkpoints keep working. Built on the meta device: nothing is allocated twice."""
+    te = te_module()
+    weight = linear.weight
+    new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    params_dtype=weight.dtype, device="meta")
+    new.weight = weight
+    if linear.bias is not None:
+        new.bias = linear.bias
+    else:  # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
+        new.bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    new.train(linear.training)
+    return new
+
+
+def drop_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook of a ``te.Linear`` swapped in for a user's ``nn.Linear``: no
+    ``_extra_state`` key, so the checkpoint has the user's model's keys exactly (its FP8
+    scaling state is in the plugin's own state)."""
+    state_dict.pop(prefix + "_extra_state", None)
+
+
+def expect_no_extra_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load pre-hook of a swapped ``te.Linear``: a checkpoint of the user's model has no
+    ``_extra_state`` key; an empty one is what TE reads as "nothing to restore"."""
+    state_dict.setdefault(prefix + "_extra_state", torch.empty(0, dtype=torch.uint8))
+
+
 class TEEngine(Engine):
     """TE modules run FP8 inside ``te.autocast(recipe)``; the policy's BF16 modules open a
     ``te.autocast(enabled=False)`` region around their forward."""
@@ -65,7 +97,18 @@ class TEEngine(Engine):
         return recipe_available(recipe)
 
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
-        return te_gemm_modules(model)
+        """TE's GEMM modules (model.backend: te) and any other model's ``nn.Linear`` modules,
+        which :meth:`convert` swaps for ``te.Linear`` where they run FP8."""
+        return {**te_gemm_modules(model),
+                **{name: m for name, m in model.named_modules() if type(m) is nn.Linear}}
+
+    def cannot_convert(self, model: nn.Module) -> Optional[str]:
+        from .torchao_engine import is_conv1d
+
+        if any(is_conv1d(m) for m in model.modules()):
+            return ("the model's GEMMs are Hugging Face Conv1D layers (weights stored (in, out)), "
+                    "which TE's Linear does not take; use a torchao recipe (recipe: tensorwise)")
+        return None
 
     def time_gemm(self, gemm: Any, tokens: int, config: Optional[dict[str, Any]],
                   reps: int = 10) -> float:
@@ -100,6 +143,16 @@ class TEEngine(Engine):
         te = te_module()
         self.recipe = make_te_recipe(config)
         hooks = []
+        # A user's nn.Linear that runs FP8 becomes a te.Linear with the same parameters (TE
+        # runs FP8 only in its own modules); those kept BF16 stay nn.Linear.
+        for name, module in self.gemm_modules(model).items():
+            if type(module) is nn.Linear and not runs_bf16(name, bf16_modules):
+                parent, _, attr = name.rpartition(".")
+                swapped = te_linear_like(module)
+                setattr(model.get_submodule(parent), attr, swapped)
+                # kept for the module's life (the swap is permanent): not among the hooks returned
+                swapped.register_state_dict_post_hook(drop_extra_state)
+                swapped.register_load_state_dict_pre_hook(expect_no_extra_state)
         modules = dict(model.named_modules())
         for name in bf16_modules:
             active: list[Any] = []  # the open te.autocast(enabled=False) region of this module

@@ -1,7 +1,7 @@
 """FP8 for a model this package did not build: a nanoGPT-style GPT of plain ``torch.nn``
 (``examples/own_model.py``) under the same layer policy and the torchao engine, whose float8
-GEMMs run on a CPU too (``torch._scaled_mm`` has a CPU kernel). The TE engine's conversion of
-``nn.Linear`` needs a GPU."""
+GEMMs run on a CPU too (``torch._scaled_mm`` has a CPU kernel). The TE engine's swap of
+``nn.Linear`` for ``te.Linear`` needs a GPU (tests/test_gpu_any_model.py)."""
 
 import importlib.util
 
@@ -77,14 +77,18 @@ def test_a_users_linears_run_float8_switch_back_and_keep_their_checkpoints():
     assert all(type(v) is torch.Tensor for v in state.values())
 
 
-def test_the_example_trains_under_the_plugin_and_says_what_ran():
-    """On this CPU the plugin falls back (no FP8 GPU) and says why; on an FP8 GPU the same
-    script trains float8 (tests/test_gpu_engines.py)."""
-    run = example().main(["--steps", "6", "--batch_size", "4"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_the_example_trains_under_the_plugin_and_says_what_ran(recipe):
+    """On this CPU the plugin falls back (no FP8 GPU) and says why, on either engine; on an FP8
+    GPU the same script trains FP8 (tests/test_gpu_any_model.py)."""
+    run = example().main(["--steps", "6", "--batch_size", "4", "--recipe", recipe])
     plugin, trainer = run["plugin"], run["trainer"]
     assert trainer.global_step == 6
-    assert plugin.fp8_active or "no CUDA GPU is visible" in plugin.reason
+    assert not plugin.fp8_active and plugin.tag.split(" ")[1] == "(fallback:", plugin.tag
     assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
+    # nothing was swapped: the user's own modules, as they wrote them
+    assert all(type(m).__module__.startswith("torch.") for m in run["module"].model.modules()
+               if not type(m).__name__ in ("NanoGPT", "Block"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -1,0 +1,160 @@
+"""FP8 on a model this package did not build: ``FP8Precision`` around a user's ``LightningModule``
+(``examples/own_model.py``'s plain ``torch.nn`` GPT, or a Hugging Face ``LlamaForCausalLM``),
+against the same module's BF16 (``bf16-mixed``), compiled and eager. Each variant runs in its own
+process on one GPU (with several ``--gpus``, as many at a time, one per GPU).
+
+Usage:
+    python benchmarks/own_model.py --model nanogpt-1.3b --gpus 0 1
+    python benchmarks/own_model.py --model llama-1b --variants bf16 tensorwise delayed
+
+Prints one JSON line per variant (tok/s: the median of 10-step windows after the warm-up, the
+precision that ran, peak memory), then a table with each variant over the faster BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+# name -> (kind, dims, micro-batch); nanoGPT dims as examples/own_model.py's NanoGPT takes them,
+# Llama's as transformers' LlamaConfig (Llama 3.2 1B's shape)
+MODELS = {
+    "nanogpt-124m": ("nanogpt", dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,
+                                     n_embd=768), 16),
+    "nanogpt-1.3b": ("nanogpt", dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16,
+                                     n_embd=2048), 8),
+    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, max_position_embeddings=1024,
+                               tie_word_embeddings=True, rope_theta=500000.0), 8),
+}
+# name -> (FP8Precision recipe or None for bf16-mixed, compiled)
+VARIANTS = {"bf16": (None, True), "bf16-eager": (None, False), "tensorwise": ("tensorwise", True),
+            "delayed": ("delayed", False), "delayed-compiled": ("delayed", True)}
+SEQ = 1024
+
+
+def lit_module(name: str, compile: bool):
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    kind, dims, _ = MODELS[name]
+    if kind == "nanogpt":
+        spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
+        own = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(own)
+        return own.LitNanoGPT(**dims, lr=3e-4, compile=compile)
+
+    import transformers
+
+    class LitLlama(L.LightningModule):  # what a user writes around a Hugging Face model
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.LlamaConfig(**dims, attn_implementation="sdpa")
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def on_fit_start(self) -> None:
+            if compile:
+                self.model.compile()
+
+        def training_step(self, batch, batch_idx):
+            logits = self.model(batch[:, :-1]).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+
+    return LitLlama()
+
+
+def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
+    import lightning as L
+    import torch
+
+    from fp8_lightning.fp8 import FP8Precision
+
+    recipe, compile = VARIANTS[variant]
+    _, dims, batch = MODELS[model]
+    tokens = batch * SEQ
+    times: list[float] = []
+
+    class Clock(L.Callback):  # a synchronised time stamp every 10 steps after the warm-up
+        def on_train_batch_end(self, trainer, *args) -> None:
+            step = trainer.global_step
+            if step >= warmup and (step - warmup) % 10 == 0:
+                torch.cuda.synchronize()
+                times.append(time.perf_counter())
+
+    L.seed_everything(0)
+    module = lit_module(model, compile)
+    vocab = dims["vocab_size"]
+    data = torch.randint(0, vocab, (steps * batch, SEQ + 1))
+    plugin = FP8Precision(recipe=recipe, on_unavailable="error") if recipe else None
+    trainer = L.Trainer(max_steps=steps, accelerator="gpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=1.0,
+                        callbacks=[Clock()], **({"plugins": [plugin]} if plugin else
+                                                {"precision": "bf16-mixed"}))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True))
+    rates = [10 * tokens / (b - a) for a, b in zip(times, times[1:])]
+    return {"model": model, "variant": variant, "tok_s": round(statistics.median(rates)),
+            "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
+            "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "gpu": torch.cuda.get_device_name()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="nanogpt-1.3b")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        default=["bf16", "bf16-eager", "tensorwise", "delayed"])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
+    parser.add_argument("--gpus", nargs="+", default=["0"], help="run variants one per GPU")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child process: one variant
+    args = parser.parse_args()
+    if args.steps < args.warmup + 20:
+        parser.error("--steps must be at least --warmup + 20 (two timed windows of 10 steps)")
+    if args.variant:
+        print("RESULT " + json.dumps(run_variant(args.model, args.variant, args.steps,
+                                                 args.warmup)), flush=True)
+        return
+    results, pending = [], list(args.variants)
+    while pending:  # as many at a time as GPUs, each child on its own
+        batch, pending = pending[: len(args.gpus)], pending[len(args.gpus):]
+        children = [subprocess.Popen(
+            [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps",
+             str(args.steps), "--warmup", str(args.warmup)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+            for v, gpu in zip(batch, args.gpus)]
+        for v, child in zip(batch, children):
+            out = child.communicate()[0]
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if child.returncode or not lines:
+                print(f"{v}: exit {child.returncode}\n" + "\n".join(out.splitlines()[-15:]))
+                continue
+            results.append(json.loads(lines[-1][7:]))
+            print(json.dumps(results[-1]), flush=True)
+    bf16 = max((r["tok_s"] for r in results if r["variant"].startswith("bf16")), default=None)
+    print(f"\n| {args.model} | tok/s | over the faster BF16 | precision | FP8 GEMM modules |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        ratio = f"{r['tok_s'] / bf16:.2f}x" if bf16 else "-"
+        print(f"| {r['variant']} | {r['tok_s']:,} | {ratio} | {r['precision']} | "
+              f"{r['fp8_modules_ran']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""GPU: FP8 on models this package did not build, on both engines (tests/fp8/test_any_model.py
+holds the CPU side): a user's plain ``torch.nn`` GPT (``examples/own_model.py``) and a Hugging Face
+``LlamaForCausalLM`` inside a user's ``LightningModule`` train FP8 under ``FP8Precision``, keep the
+model's own state-dict keys, and resume from their checkpoints with their scaling state."""
+
+import importlib.util
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_lightning.fp8 import FP8Precision
+from tests._runs import ROOT
+
+pytestmark = pytest.mark.gpu  # skipped without CUDA and TE (tests/conftest.py)
+
+B, T, VOCAB = 16, 64, 512
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
+    own = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(own)
+    return own
+
+
+class LitLlama(L.LightningModule):
+    """A user's LightningModule around a Hugging Face Llama built from a local directory."""
+
+    def __init__(self, directory) -> None:
+        super().__init__()
+        import transformers
+
+        self.model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def build(arch, tmp_path):
+    """(a fresh LightningModule, the number of its GEMM modules the policy runs FP8)."""
+    torch.manual_seed(0)
+    if arch == "nanogpt":
+        return example().LitNanoGPT(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4,
+                                    n_embd=128), 4 * 4
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "hf-llama"
+    if not directory.exists():
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
+        ).save_pretrained(directory)
+    return LitLlama(str(directory)), 2 * 7  # q, k, v, o, gate, up, down a block
+
+
+def fit(module, steps, tmp_path, recipe, ckpt_path=None):
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
+    data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
+    plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error")
+    trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=1.0,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=B), ckpt_path=ckpt_path)
+    return trainer, plugin
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("arch", ["nanogpt", "llama"])
+def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recipe, tmp_path):
+    module, n_gemms = build(arch, tmp_path)
+    plain_keys = set(module.state_dict())
+    weight = next(iter(module.model.parameters()))
+    trainer, plugin = fit(module, 30, tmp_path, recipe)
+    assert plugin.fp8_active and plugin.tag == f"FP8 {recipe}", plugin.reason
+    assert plugin.bf16_modules == {"lm_head": "fp8_lm_head=false"}
+    assert len(plugin.engine.modules_ran(plugin.model)) == n_gemms
+    assert next(iter(module.model.parameters())) is weight  # the user's parameters, not copies
+    assert float(trainer.callback_metrics["train/loss"]) < 5.0  # uniform: ln 512 = 6.24
+    # the checkpoint holds the user's model's keys exactly, loadable without FP8 (strict)
+    ckpt = tmp_path / f"{arch}-{recipe}.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    assert set(saved["state_dict"]) == plain_keys
+    fresh, _ = build(arch, tmp_path)
+    fresh.load_state_dict(saved["state_dict"])  # strict, plain nn.Linear
+    # resumed under FP8: the scaling state comes back (delayed scaling's amax history)
+    resumed_module, _ = build(arch, tmp_path)
+    resumed, plugin2 = fit(resumed_module, 35, tmp_path, recipe, ckpt_path=ckpt)
+    assert resumed.global_step == 35 and plugin2.fp8_active
+    if recipe == "delayed":
+        assert plugin2.scaling_restored == n_gemms
+    for a, b in zip(module.model.state_dict().values(), fresh.model.state_dict().values()):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_the_example_trains_fp8_under_the_plugin():
+    """examples/own_model.py as a user runs it, on an FP8 GPU: FP8 verified after the first
+    step, the LM head BF16, the loss falls."""
+    run = example().main(["--steps", "30", "--batch_size", "16", "--recipe", "delayed"])
+    plugin = run["plugin"]
+    assert plugin.fp8_active and plugin.tag == "FP8 delayed", plugin.reason
+    assert plugin.bf16_modules.get("lm_head") == "fp8_lm_head=false"
+    assert len(plugin.engine.modules_ran(plugin.model)) == 16
+    assert float(run["trainer"].callback_metrics["train/loss"]) < 6.0  # below uniform: ln 512 = 6.24
