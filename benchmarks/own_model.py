@@ -73,7 +73,7 @@ def lit_module(name: str, compile: bool):
             return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
     return LitLlama()
 

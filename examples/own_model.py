@@ -90,8 +90,7 @@ class LitNanoGPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
-                                 fused=self.device.type == "cuda")
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
 def main(argv: list[str] | None = None) -> dict:
