@@ -78,12 +78,15 @@ def fit(module, steps, tmp_path, recipe, ckpt_path=None):
 def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recipe, tmp_path):
     module, n_gemms = build(arch, tmp_path)
     plain_keys = set(module.state_dict())
-    weight = next(iter(module.model.parameters()))
+    first = "transformer.h.0.c_attn" if arch == "nanogpt" else "model.layers.0.self_attn.q_proj"
+    weight = module.model.get_submodule(first).weight
     trainer, plugin = fit(module, 30, tmp_path, recipe)
     assert plugin.fp8_active and plugin.tag == f"FP8 {recipe}", plugin.reason
     assert plugin.bf16_modules == {"lm_head": "fp8_lm_head=false"}
     assert len(plugin.engine.modules_ran(plugin.model)) == n_gemms
-    assert next(iter(module.model.parameters())) is weight  # the user's parameters, not copies
+    swapped = module.model.get_submodule(first)
+    assert swapped.weight is weight  # the user's own parameter, in a te.Linear or in place
+    assert type(swapped).__module__.startswith("transformer_engine") == (recipe == "delayed")
     assert float(trainer.callback_metrics["train/loss"]) < 5.0  # uniform: ln 512 = 6.24
     # the checkpoint holds the user's model's keys exactly, loadable without FP8 (strict)
     ckpt = tmp_path / f"{arch}-{recipe}.ckpt"

@@ -103,11 +103,30 @@ class TEEngine(Engine):
                 **{name: m for name, m in model.named_modules() if type(m) is nn.Linear}}
 
     def cannot_convert(self, model: nn.Module) -> Optional[str]:
+        """A user's model whose layers the swap for ``te.Linear`` cannot serve (the torchao
+        engine converts them in place, so it can): Hugging Face ``Conv1D``, a model FSDP2
+        sharded before the swap, Hugging Face gradient checkpointing."""
+        from torch.distributed.tensor import DTensor
+
         from .torchao_engine import is_conv1d
 
-        if any(is_conv1d(m) for m in model.modules()):
+        modules = list(model.modules())
+        if any(is_conv1d(m) for m in modules):
             return ("the model's GEMMs are Hugging Face Conv1D layers (weights stored (in, out)), "
                     "which TE's Linear does not take; use a torchao recipe (recipe: tensorwise)")
+        if not any(type(m) is nn.Linear for m in modules):
+            return None  # TE's own modules (model.backend: te): nothing to swap
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            # FSDP2 keeps each parameter's owning module and would keep gathering into the
+            # replaced nn.Linear
+            return ("the model's nn.Linear layers were sharded (FSDP2) before FP8 could swap them "
+                    "for te.Linear; use a torchao recipe (recipe: tensorwise), which converts "
+                    "them in place")
+        if getattr(model, "is_gradient_checkpointing", False):
+            # the recompute runs in the backward, outside te.autocast: not the forward's FP8
+            return ("the model recomputes its layers in the backward (Hugging Face gradient "
+                    "checkpointing), outside TE's FP8 region; use a torchao recipe "
+                    "(recipe: tensorwise), or turn the checkpointing off")
         return None
 
     def time_gemm(self, gemm: Any, tokens: int, config: Optional[dict[str, Any]],

@@ -134,3 +134,35 @@ def test_a_hugging_face_model_runs_float8_through_the_same_path(arch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(model(idx).logits.float(), fp8)  # the original is untouched
             assert not torch.equal(copied(idx).logits.float(), fp8)  # the copy runs its own
+
+
+def test_the_te_engine_says_which_users_models_it_cannot_swap(tmp_path):
+    """The TE engine swaps nn.Linear for te.Linear (on a GPU); the models that swap cannot serve
+    get a reason, which the plugin's fallback logs (torchao converts them in place)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    transformers = pytest.importorskip("transformers")
+    te = get_engine("te")
+    model, _ = pair()
+    assert te.cannot_convert(model) is None
+    assert len(te.gemm_modules(model)) == 4 * 4 + 1  # the user's nn.Linear layers, the head too
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    assert "Conv1D" in te.cannot_convert(gpt2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    assert te.cannot_convert(llama) is None
+    llama.gradient_checkpointing_enable()
+    assert "gradient checkpointing" in te.cannot_convert(llama)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        assert "sharded (FSDP2)" in te.cannot_convert(model)
+    finally:
+        dist.destroy_process_group()
