@@ -49,7 +49,7 @@
 # model.compile's default), PROFILE_AT (default STEPS - 10: the steps after a profile run slower), SINGLE (default 1; 0 skips the one-GPU runs),
 # LOSS_GPUS (default 4: loss-gpt2's and resume-gpt2's several-GPU count);
 # for the
-# 8B jobs DEVICES8B (default 2), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
+# 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
@@ -316,13 +316,24 @@ llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
         "${extra[@]}" --data.num_workers 2 "$@"
 }
 
-table8b() {  # one run per variant, same seed, data and global batch; val loss at the last step
+table8b() {  # one run per variant, same seed, data and global batch; val loss at the last step.
+    # SETS8B: GPU sets that run variants at the same time, one each (e.g. "0,1 2,3" on four GPUs
+    # with DEVICES8B=2: half the wall time; the runs share the host)
     data8k || return
+    local sets=(${SETS8B:-}) i=0 v
     for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
-        llama "t8-$v" "$v" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
-            --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
-            --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0
+        if [ ${#sets[@]} = 0 ]; then t8 "$v"; continue; fi
+        CUDA_VISIBLE_DEVICES=${sets[$i]} t8 "$v" &
+        i=$(( (i + 1) % ${#sets[@]} ))
+        [ "$i" = 0 ] && wait
     done
+    wait
+}
+
+t8() {  # t8 VARIANT: one run of the seed table
+    llama "t8-$1" "$1" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
+        --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
+        --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0
 }
 
 throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 compiled and FP8

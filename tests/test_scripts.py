@@ -62,3 +62,56 @@ def test_the_fabric_example_s_lines_count_as_a_run_of_its_gpus(tmp_path, capsys)
     summary.main(tmp_path)
     out = capsys.readouterr().out
     assert "fabric-fp8       ddp-2gpu      297,600 per GPU  scaling  0.91" in out, out
+
+
+def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_file_once(tmp_path):
+    """scripts/gpu_tests.sh with a stand-in for python that records each pytest it is given: on
+    four GPUs the two-GPU file runs on 0,1 beside the one-GPU files on 2 and 3; on two GPUs the
+    one-GPU files run on 0 and 1, then the two-GPU file; every GPU test file runs exactly once."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "$NG"; exit 0;; esac\n'
+                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"\n')
+    fake.chmod(0o755)
+    files = sorted(p.relative_to(ROOT).as_posix()
+                   for p in [*ROOT.glob("tests/test_gpu*.py"), ROOT / "tests/test_notebook.py"])
+    for n, one_gpu_sets in ((4, {"2", "3"}), (2, {"0", "1"})):
+        calls = tmp_path / f"calls{n}.txt"
+        env = dict(os.environ, NG=str(n), CALLS=str(calls), PYTHON=str(fake),
+                   OUT=str(tmp_path / f"out{n}"))
+        subprocess.run(["bash", str(ROOT / "scripts" / "gpu_tests.sh"), "-k", "not slow"],
+                       env=env, check=True, capture_output=True, timeout=60)
+        runs = [line.split("|") for line in calls.read_text().splitlines()]
+        by_gpus = {gpus: [a for a in args.split() if a.startswith("tests/")] for gpus, args in runs}
+        assert by_gpus.pop("0,1") == ["tests/test_gpu_ddp.py"]
+        assert set(by_gpus) == one_gpu_sets
+        ran = [f for part in by_gpus.values() for f in part] + ["tests/test_gpu_ddp.py"]
+        assert sorted(ran) == files
+        assert all(args.endswith("-k not slow") and "-m gpu" in args for _, args in runs)
+
+
+def test_the_8b_seed_table_runs_its_variants_on_gpu_sets_at_once(tmp_path):
+    """multi_gpu.sh table-8b with SETS8B="0,1 2,3" (a stand-in for python records each fit):
+    each variant's FSDP2 run gets one GPU pair, two at a time, every variant once."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 4; exit 0;; esac\n'
+                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"\n')
+    fake.chmod(0o755)
+    data = tmp_path / "d8"
+    data.mkdir()
+    (data / "meta.json").write_text("{}")  # the corpus "prepared": no preparing here
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, CALLS=str(calls), PYTHON=str(fake), OUT=str(tmp_path / "out"),
+               DATA8K=str(data), SETS8B="0,1 2,3", VARIANTS8B="bf16 fp8-delayed fp8-current")
+    subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"], env=env,
+                   capture_output=True, timeout=60)
+    fits = [line.split("|") for line in calls.read_text().splitlines() if " fit " in line]
+    ran = sorted((gpus, "llama3_8b_bf16" in args, "recipe current" in args) for gpus, args in fits)
+    # (the first two start together: their lines come in either order)
+    assert ran == [("0,1", False, True), ("0,1", True, False), ("2,3", False, False)]
+    assert all("--trainer.devices 2" in args for _, args in fits)
