@@ -60,7 +60,7 @@ class BlockGraphs:
         samples = tuple((torch.randn(B, T, weight.shape[1], dtype=dtype,
                                      device=weight.device, requires_grad=True), *model.rope(T))
                         for _ in units)
-        self.key, self.te = self.key_of(batch_shape, fp8), te
+        self.key, self.te, self.recipe = self.key_of(batch_shape, fp8), te, recipe
         self.units, self.n_blocks = units, len(model.blocks)
         unit_call = type(units[0]).__call__
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -339,6 +339,14 @@ class GPTLightningModule(L.LightningModule):
             rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
         return path
 
+    def _drop_graphs(self) -> None:
+        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) were
+        captured under that fit's plugin (recipe, amax group), accumulation and strategy, and
+        would replay them unseen."""
+        graphs, self._graphs = self._graphs, None
+        if hasattr(graphs, "use"):  # captured (not None, not a failed capture)
+            graphs.use(False)  # the blocks' own forward again
+
     @property
     def graphed(self) -> Optional[str]:
         """What the training step's CUDA graphs replay now, ``"FP8"`` or ``"BF16"``; None while
@@ -561,6 +569,7 @@ class GPTLightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
         AgreedStop.install(self.trainer)  # several ranks: no host sync per step for SIGTERM
+        self._drop_graphs()
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)

@@ -96,6 +96,33 @@ def test_cuda_graph_path_trains_checkpoints_and_resumes(tmp_path, blocks):
     assert all(abs(first[s] - full[s]) < 0.02 * full[s] for s in range(1, 21))
 
 
+def test_a_second_fit_of_the_same_module_captures_its_own_graphs(tmp_path, blocks):
+    """A notebook's second ``fit`` of the same module under another recipe: the first fit's
+    graphs (captured under delayed scaling) are dropped and the blocks captured again under
+    current scaling, and the loss keeps falling."""
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=4), warmup_steps=5,
+                                lr_decay_steps=200)
+    loader = torch.utils.data.DataLoader(blocks, batch_size=B, drop_last=True, pin_memory=True)
+    captured, losses = {}, {}
+    for recipe in ("delayed", "current"):
+        seen = Losses()
+        trainer = L.Trainer(max_steps=10, plugins=[FP8Precision(recipe=recipe)],
+                            accelerator="gpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            limit_val_batches=0, default_root_dir=tmp_path, callbacks=[seen])
+        trainer.fit(module, loader)
+        assert module.graphed == "FP8", recipe
+        captured[recipe] = module._graphs
+        losses[recipe] = {s: float(v) for s, v in seen.losses.items()}
+    assert captured["delayed"] is not captured["current"]
+    assert [type(g.recipe).__name__ for g in captured.values()] == ["DelayedScaling",
+                                                                    "Float8CurrentScaling"]
+    print(f"\n[second fit] loss {losses['delayed'][1]:.3f} -> {losses['delayed'][10]:.3f}, "
+          f"then {losses['current'][1]:.3f} -> {losses['current'][10]:.3f}")
+    assert losses["current"][10] < losses["delayed"][1] - 1
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_graphs_train_as_eager_blocks_do(tmp_path, blocks, accumulate):
     # Without accumulation the gradients are the graphs' static buffers (no clone); with it they
