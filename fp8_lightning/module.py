@@ -342,10 +342,18 @@ class GPTLightningModule(L.LightningModule):
     def _drop_graphs(self) -> None:
         """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) were
         captured under that fit's plugin (recipe, amax group), accumulation and strategy, and
-        would replay them unseen."""
+        would replay them unseen. The blocks' graphs are freed; the PyTorch backend's compile
+        for graphs (Inductor's, or block by block) goes back to the plan's own compile."""
         graphs, self._graphs = self._graphs, None
-        if hasattr(graphs, "use"):  # captured (not None, not a failed capture)
-            graphs.use(False)  # the blocks' own forward again
+        if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
+            graphs.release()
+        per_block = self.fast_path is not None and self.fast_path.graphs == "per-block"
+        if self.model is not None and (self._cudagraphed or
+                                       (per_block and self.backend_name != "te")):
+            uncompile_model(self.model)
+            self.compiled, self._cudagraphed = None, False
+            self._compile()
+        self._compile_checked = False
 
     @property
     def graphed(self) -> Optional[str]:
