@@ -339,6 +339,22 @@ class GPTLightningModule(L.LightningModule):
             rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
         return path
 
+    def _drop_graphs(self) -> None:
+        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) were
+        captured under that fit's plugin (recipe, amax group), accumulation and strategy, and
+        would replay them unseen. The blocks' graphs are freed; the PyTorch backend's compile
+        for graphs (Inductor's, or block by block) goes back to the plan's own compile."""
+        graphs, self._graphs = self._graphs, None
+        if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
+            graphs.release()
+        per_block = self.fast_path is not None and self.fast_path.graphs == "per-block"
+        if self.model is not None and (self._cudagraphed or
+                                       (per_block and self.backend_name != "te")):
+            uncompile_model(self.model)
+            self.compiled, self._cudagraphed = None, False
+            self._compile()
+        self._compile_checked = False
+
     @property
     def graphed(self) -> Optional[str]:
         """What the training step's CUDA graphs replay now, ``"FP8"`` or ``"BF16"``; None while
@@ -561,6 +577,7 @@ class GPTLightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
         AgreedStop.install(self.trainer)  # several ranks: no host sync per step for SIGTERM
+        self._drop_graphs()
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)
