@@ -13,7 +13,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_tests_out}
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 export FP8L_RUN_TIMEOUT=${FP8L_RUN_TIMEOUT:-300}
 mkdir -p "$OUT"
 rm -f "$OUT/status.txt"
