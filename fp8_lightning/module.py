@@ -340,10 +340,11 @@ class GPTLightningModule(L.LightningModule):
         return path
 
     def _drop_graphs(self) -> None:
-        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) were
-        captured under that fit's plugin (recipe, amax group), accumulation and strategy, and
-        would replay them unseen. The blocks' graphs are freed; the PyTorch backend's compile
-        for graphs (Inductor's, or block by block) goes back to the plan's own compile."""
+        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) read
+        the parameters where they were then (Lightning moves the module to the CPU at the end
+        of a fit) and were captured under that fit's plugin (recipe, amax group), accumulation
+        and strategy. The blocks' graphs are freed; the PyTorch backend's compile for graphs
+        (Inductor's, or block by block) goes back to the plan's own compile."""
         graphs, self._graphs = self._graphs, None
         if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
             graphs.release()
