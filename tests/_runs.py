@@ -19,6 +19,17 @@ _RUNS: dict = {}
 BYTES_VOCAB = 257
 
 
+def load_script(path: str):
+    """A script of the repository that is no package module (``examples/own_model.py``,
+    ``scripts/multi_gpu_summary.py``), imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(*args, timeout=600):
     """``python -m fp8_lightning ARGS`` as a process from the repository root. Past ``timeout``
     seconds (at most ``$FP8L_RUN_TIMEOUT`` where set, for a machine whose commands are
