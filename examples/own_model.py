@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.fp8 import RECIPES, FP8Precision
 
 
 class Block(nn.Module):
@@ -97,9 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--recipe", default="tensorwise", help="an FP8Precision recipe: "
-                        "tensorwise / rowwise (torchao) or delayed / current / block (TE)")
+    parser.add_argument("--recipe", default="tensorwise", choices=list(RECIPES),
+                        help="tensorwise / rowwise (torchao) or delayed / current / block (TE)")
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        parser.error("--steps and --batch_size must be at least 1")
     L.seed_everything(0)
     module = LitNanoGPT()
     g = torch.Generator().manual_seed(0)

@@ -161,3 +161,12 @@ def test_the_te_engine_says_which_users_models_it_cannot_swap(tmp_path):
         assert "sharded (FSDP2)" in te.cannot_convert(model)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("argv", [["--recipe", "bogus"], ["--steps", "0"], ["--batch_size", "-1"]])
+def test_the_example_refuses_bad_arguments_with_one_error_line(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        example().main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err[-1].startswith("own_model.py: error:") and \
+        "Traceback" not in "\n".join(err)
