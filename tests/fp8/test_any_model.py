@@ -168,5 +168,5 @@ def test_the_example_refuses_bad_arguments_with_one_error_line(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         example().main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and err[-1].startswith("own_model.py: error:") and \
+    assert stop.value.code == 2 and ": error: " in err[-1] and \
         "Traceback" not in "\n".join(err)
