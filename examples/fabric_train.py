@@ -195,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # The TE blocks replayed as CUDA graphs, as fit's step does (fp8_lightning/graphs.py): their
     # kernels launched from Python cost the host more than the GPU at these sizes.
     graphs_on, why = graphs_status(fabric.device.type, world, sharded=args.strategy == "fsdp")
-    if recipe.backend_name != "te" or args.no_cuda_graphs:
+    if graphs_on and (recipe.backend_name != "te" or args.no_cuda_graphs):
         graphs_on, why = False, ("--no_cuda_graphs" if args.no_cuda_graphs else
                                  "the PyTorch backend's blocks are not captured here")
     fabric.print("CUDA graphs: " + (("a graph per block" if world > 1 else "the blocks as one")
@@ -240,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         val_loss = fabric.all_reduce(model(batch[:, :-1], batch[:, 1:]), reduce_op="mean").item()
     fabric.print(f"val loss {val_loss:.4f} after {state['step']} steps; checkpoint: {args.ckpt}")
     return {"step": state["step"], "losses": losses, "val_loss": val_loss, "plugin": plugin,
-            "guard": guard}
+            "guard": guard, "graphs": graphs}
 
 
 if __name__ == "__main__":  # (also keeps spawned data-loader workers from re-running it)

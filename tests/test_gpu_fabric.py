@@ -117,6 +117,9 @@ def test_the_fabric_example_replays_its_blocks_as_cuda_graphs_and_trains_as_eage
     eager = example.main(args + ["--ckpt", str(tmp_path / "eager.ckpt"), "--no_cuda_graphs"])
     assert "CUDA graphs: off (--no_cuda_graphs)" in capsys.readouterr().out
     assert graphed["plugin"].fp8_active and eager["plugin"].fp8_active
+    graphs = graphed["graphs"]  # captured under FP8 for (8, 256) and replaying
+    assert graphs.active and graphs.key == ((8, 256), True) and len(graphs.units) == 1
+    assert eager["graphs"] is None
     worst = max(abs(a - b) / b for a, b in zip(graphed["losses"], eager["losses"]))
     print(f"\n[Fabric graphs vs eager] losses {graphed['losses']} vs {eager['losses']}, worst "
           f"relative gap {worst:.4f}")
