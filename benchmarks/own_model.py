@@ -119,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="nanogpt-1.3b")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        default=["bf16", "bf16-eager", "tensorwise", "delayed"])
+                        default=["bf16", "bf16-eager", "tensorwise", "delayed",
+                                 "delayed-compiled"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
     parser.add_argument("--gpus", nargs="+", default=["0"], help="run variants one per GPU")

@@ -60,7 +60,7 @@ class BlockGraphs:
         samples = tuple((torch.randn(B, T, weight.shape[1], dtype=dtype,
                                      device=weight.device, requires_grad=True), *model.rope(T))
                         for _ in units)
-        self.key, self.te = self.key_of(batch_shape, fp8), te
+        self.key, self.te, self.recipe = self.key_of(batch_shape, fp8), te, recipe
         self.units, self.n_blocks = units, len(model.blocks)
         unit_call = type(units[0]).__call__
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -79,6 +79,13 @@ class BlockGraphs:
                                                        clone_param_grads_on_return=clone_grads)
                 else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
                     torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
+        except BaseException:
+            if te:  # TE's capture flag stays set after a capture that raised, and eager TE
+                # backwards would then skip their amax/scale updates
+                from transformer_engine.pytorch.graph import set_capture_end
+
+                set_capture_end()
+            raise
         finally:
             # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
             type(units[0]).__call__ = unit_call
@@ -108,6 +115,17 @@ class BlockGraphs:
             for module, flag in self.fp8_flags.items():
                 module.fp8 = flag
         self.active = on
+
+    def release(self) -> None:
+        """The blocks' own forward again, and the graphs and their memory pool freed (TE's
+        graphed callables hold them in ``reset`` and ``backward_dw`` closures as well)."""
+        self.use(False)
+        for unit in self.units:
+            reset = unit.__dict__.pop("reset", None)
+            if reset is not None:
+                reset()
+            unit.__dict__.pop("backward_dw", None)
+        self.graphed, self.fp8_flags = [], {}
 
     def matches(self, batch_shape: tuple[int, int]) -> bool:
         return self.key == self.key_of(batch_shape, self.te and fp8_state()[0])

@@ -58,7 +58,8 @@ def num_params(config: GPTConfig) -> int:
     c = config
     h = c.n_embd
     norm = h * (2 if c.norm == "layernorm" else 1)
-    per_block = 2 * norm + (c.qkv_width if c.qkv_bias else 0) + (h + c.fc1_width + h if c.bias else 0)
+    per_block = (2 * norm + (c.qkv_width if c.qkv_bias else 0)
+                 + (h + c.fc1_width + h if c.bias else 0))
     per_block += 2 * c.head_dim if c.qk_norm else 0
     embeddings = 0 if c.tie_embeddings else c.padded_vocab_size * h  # tied: the head's weight
     embeddings += c.block_size * h if c.position == "learned" else 0

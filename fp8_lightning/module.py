@@ -313,6 +313,7 @@ class GPTLightningModule(L.LightningModule):
         training step captures them at its first call, which has the micro-batch's shape."""
         trainer = self._trainer
         wanted = self.hparams.cuda_graphs
+        previous = self.fast_path.graphs if self.fast_path is not None else None  # a last fit's
         if self.fast_path is None:  # a module built without configure_model's plan
             self.fast_path = FastPath(bool(self.compiled), "compiled by its caller"
                                       if self.compiled else "not compiled")
@@ -329,15 +330,33 @@ class GPTLightningModule(L.LightningModule):
         rank_zero_info("CUDA graphs: " + (f"on, {GRAPHS_HOW[path.graphs]}" if path.graphs else
                                           "off" if wanted is False else f"off ({path.graphs_why})"))
         self.fast_path = path
-        if self.model is not None and path.graphs == "inductor":
+        self._compile_checked = False  # each fit checks its first compiled step
+        if self.model is None:
+            return path
+        torch_per_block = self.backend_name != "te" and path.graphs == "per-block"
+        if path.graphs == "inductor":
             self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
-        elif self.model is not None and path.graphs == "per-block" and self.backend_name != "te":
+        elif torch_per_block:
             # the blocks compiled one by one, to be captured each (the whole model's graph
             # would hold DDP's all-reduce hooks inside it)
             uncompile_model(self.model)
-            self.compiled = compile_model(self.model, per_block=True)
+            self.compiled, self._cudagraphed = compile_model(self.model, per_block=True), False
             rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
+        elif self._cudagraphed or (self.backend_name != "te" and previous == "per-block"):
+            # a last fit compiled for graphs this fit has not: the plan's own compile again
+            uncompile_model(self.model)
+            self.compiled, self._cudagraphed = None, False
+            self._compile()
         return path
+
+    def _drop_graphs(self) -> None:
+        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) read
+        the parameters where they were then (Lightning moves the module to the CPU at the end
+        of a fit) and were captured under that fit's plugin (recipe, amax group), accumulation
+        and strategy; they are freed (what the model is compiled for is plan_graphs')."""
+        graphs, self._graphs = self._graphs, None
+        if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
+            graphs.release()
 
     @property
     def graphed(self) -> Optional[str]:
@@ -561,6 +580,7 @@ class GPTLightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
         AgreedStop.install(self.trainer)  # several ranks: no host sync per step for SIGTERM
+        self._drop_graphs()
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)

@@ -7,11 +7,14 @@
 # Usage: scripts/gpu_tests.sh [PYTEST ARGS...]   e.g. scripts/gpu_tests.sh -k "not within_3_percent"
 # Env: OUT (logs, default gpu_tests_out), PART_TIMEOUT (s per pytest, default 540),
 # FILES (the one-GPU test files; default every tests/test_gpu_*.py but the two-GPU one, and the
-# notebook's). Each pytest runs verbosely with its durations; the failures and the counts last.
+# notebook's), FP8L_RUN_TIMEOUT (s, default 300: a CLI fit inside a test that runs longer prints
+# every process's Python stacks and fails, tests/_runs.py). Each pytest runs verbosely with its
+# durations; the failures and the counts last.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_tests_out}
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+export FP8L_RUN_TIMEOUT=${FP8L_RUN_TIMEOUT:-300}
 mkdir -p "$OUT"
 rm -f "$OUT/status.txt"
 TWO=tests/test_gpu_ddp.py

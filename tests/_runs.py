@@ -4,6 +4,7 @@ the console, monitor, generate and bad-input tests (each CLI fit costs tens of s
 CPU); and the small vocabulary that fits which are not about the tokenizer train on."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,38 @@ _RUNS: dict = {}
 BYTES_VOCAB = 257
 
 
+def load_script(path: str):
+    """A script of the repository that is no package module (``examples/own_model.py``,
+    ``scripts/multi_gpu_summary.py``), imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(*args, timeout=600):
-    """``python -m fp8_lightning ARGS`` as a process from the repository root."""
-    return subprocess.run([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+    """``python -m fp8_lightning ARGS`` as a process from the repository root. Past ``timeout``
+    seconds (at most ``$FP8L_RUN_TIMEOUT`` where set, for a machine whose commands are
+    time-limited) every process of the run, the launcher's ranks too, prints its Python stacks
+    (faulthandler on SIGABRT) and the test fails with them: a hang says where it waits."""
+    timeout = min(timeout, float(os.environ.get("FP8L_RUN_TIMEOUT", "inf")))
+    proc = subprocess.Popen([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)  # the ranks share the launcher's process group
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"fp8_lightning {' '.join(map(str, args[:3]))} ... did not end in "
+                             f"{timeout:.0f} s; its stacks:\n{err[-12000:]}\n{out[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_main(capsys, argv):

@@ -3,12 +3,10 @@
 FP8 itself under Fabric runs in tests/test_gpu_fabric.py.
 """
 
-import importlib.util
 import logging
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -19,12 +17,12 @@ from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT
 from fp8_lightning.te_support import fallback_precision
+from tests._runs import ROOT, load_script
 from tests.helpers import PretendRan
 
 B, T = 2, 32
 # A small vocabulary: the 50k GPT-2 one makes the LM head and its AdamW update most of a step.
 TINY = GPTConfig(name="tiny", n_layer=1, vocab_size=1024)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class PretendFP8(FabricFP8Precision):
@@ -149,9 +147,7 @@ def test_fabric_guard_arguments():
 
 
 def test_the_example_trains_saves_and_resumes(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("fabric_train", ROOT / "examples" / "fabric_train.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/fabric_train.py")
     args = ["--ckpt", str(tmp_path / "last.ckpt"), "--n_layer", "1", "--batch_size", "2",
             "--seq_len", "32", "--corpus_chars", "20000", "--log_every", "1",
             "--accelerator", "cpu"]
@@ -191,9 +187,7 @@ def test_the_example_under_fsdp2_on_two_ranks_saves_shards_and_resumes_exactly(t
 def test_the_example_refuses_a_checkpoint_of_the_other_layout(tmp_path, capsys):
     """A sharded checkpoint (a directory) resumes only under FSDP2 and a file only without it:
     one error line naming the way out, before any training."""
-    spec = importlib.util.spec_from_file_location("fabric_train", ROOT / "examples" / "fabric_train.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/fabric_train.py")
     (tmp_path / "sharded.ckpt").mkdir()
     (tmp_path / "one.ckpt").write_bytes(b"")
     for ckpt, strategy in (("sharded.ckpt", "ddp"), ("one.ckpt", "fsdp")):

@@ -96,6 +96,39 @@ def test_cuda_graph_path_trains_checkpoints_and_resumes(tmp_path, blocks):
     assert all(abs(first[s] - full[s]) < 0.02 * full[s] for s in range(1, 21))
 
 
+def test_a_second_fit_of_the_same_module_captures_its_own_graphs(tmp_path, blocks):
+    """A notebook's fits of one module: Lightning moves the module to the CPU after each fit,
+    so the next fit's parameters live elsewhere and a graph of the last fit would replay stale
+    addresses. Each fit frees the last one's graphs and captures its own, under its own recipe
+    (delayed, then current twice): the memory held after the third fit is the second's."""
+    import gc
+
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=4), warmup_steps=5,
+                                lr_decay_steps=200)
+    loader = torch.utils.data.DataLoader(blocks, batch_size=B, drop_last=True, pin_memory=True)
+    recipes, held, losses = [], [], []
+    for recipe in ("delayed", "current", "current"):
+        seen = Losses()
+        trainer = L.Trainer(max_steps=10, plugins=[FP8Precision(recipe=recipe)],
+                            accelerator="gpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            limit_val_batches=0, default_root_dir=tmp_path, callbacks=[seen])
+        trainer.fit(module, loader)
+        assert module.graphed == "FP8", recipe
+        recipes.append(type(module._graphs.recipe).__name__)
+        losses.append([float(seen.losses[s]) for s in (1, 10)])
+        del trainer
+        gc.collect()
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    print(f"\n[fits of one module] losses at steps 1 and 10: {losses}; GPU memory held: {held}")
+    assert recipes == ["DelayedScaling", "Float8CurrentScaling", "Float8CurrentScaling"]
+    # each fit goes on from the last one's weights (stale graphs would not train them)
+    assert losses[1][0] < losses[0][0] - 0.5 and losses[2][1] < losses[1][1]
+    assert held[2] < held[1] * 1.02 + 2**24  # the last graphs' memory pool was freed
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_graphs_train_as_eager_blocks_do(tmp_path, blocks, accumulate):
     # Without accumulation the gradients are the graphs' static buffers (no clone); with it they

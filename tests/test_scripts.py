@@ -1,17 +1,11 @@
 """The maintainers' harness scripts: how ``scripts/multi_gpu_summary.py`` reads a run's log (its
 figures are the docs' several-GPU tables)."""
 
-import importlib.util
-
-from tests._runs import ROOT
+from tests._runs import ROOT, load_script
 
 
 def summary_module():
-    spec = importlib.util.spec_from_file_location("multi_gpu_summary",
-                                                  ROOT / "scripts" / "multi_gpu_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/multi_gpu_summary.py")
 
 
 def monitor_line(step: int, ms: float, mfu: str) -> str:

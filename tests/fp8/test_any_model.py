@@ -3,24 +3,19 @@
 GEMMs run on a CPU too (``torch._scaled_mm`` has a CPU kernel). The TE engine's swap of
 ``nn.Linear`` for ``te.Linear`` needs a GPU (tests/test_gpu_any_model.py)."""
 
-import importlib.util
-
 import pytest
 import torch
 from torch import nn
 
 from fp8_lightning.fp8 import bf16_module_names, build_recipe_config, get_engine
 from fp8_lightning.fp8.policy import find_blocks, find_lm_head
-from tests._runs import ROOT
+from tests._runs import load_script
 
 torchao = pytest.importorskip("torchao")
 
 
 def example():
-    spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/own_model.py")
 
 
 def pair():
