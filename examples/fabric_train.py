@@ -41,6 +41,7 @@ from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.distributed import fsdp2_layout, gather_policy, shard_model
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard, load
 from fp8_lightning.fp8 import RECIPES
+from fp8_lightning.graphs import graphs_status, prepare_graphs
 from fp8_lightning.module import GPTLightningModule
 from fp8_lightning.tokenizer import get_tokenizer
 
@@ -75,6 +76,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="characters of the embedded corpus to train on (the last 10%% "
                              "validates)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--no_cuda_graphs", action="store_true",
+                        help="run the TE blocks eagerly (by default on a GPU they replay as CUDA "
+                             "graphs: one graph on one GPU, a graph per block under DDP; never "
+                             "under FSDP2)")
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--devices", default="1", help="a count, or auto (every GPU)")
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"],
@@ -187,12 +192,26 @@ def main(argv: Optional[list[str]] = None) -> dict:
         rows = order[torch.arange(first, first + args.batch_size) % len(train)]
         return fabric.to_device(train[rows].long())
 
+    # The TE blocks replayed as CUDA graphs, as fit's step does (fp8_lightning/graphs.py): their
+    # kernels launched from Python cost the host more than the GPU at these sizes.
+    graphs_on, why = graphs_status(fabric.device.type, world, sharded=args.strategy == "fsdp")
+    if graphs_on and (recipe.backend_name != "te" or args.no_cuda_graphs):
+        graphs_on, why = False, ("--no_cuda_graphs" if args.no_cuda_graphs else
+                                 "the PyTorch backend's blocks are not captured here")
+    fabric.print("CUDA graphs: " + (("a graph per block" if world > 1 else "the blocks as one")
+                                    if graphs_on else f"off ({why})"))
+    graphs = None
+
     start, losses = state["step"], []
     window = (start, time.perf_counter())  # (step, time) of the last log line
     model.train()
     for step in range(start, args.steps):
         batch = batch_at(step)
-        loss = model(batch[:, :-1], batch[:, 1:])
+        x, y = batch[:, :-1], batch[:, 1:]
+        if graphs_on:  # captured at the first step, under the plugin's FP8 context as a forward
+            with fabric.autocast():
+                graphs = prepare_graphs(graphs, recipe.model, tuple(x.shape), per_block=world > 1)
+        loss = model(x, y)
         fabric.backward(loss)
         # error_if_nonfinite=False: a non-finite norm is the guard's to handle (on the device)
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
@@ -221,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         val_loss = fabric.all_reduce(model(batch[:, :-1], batch[:, 1:]), reduce_op="mean").item()
     fabric.print(f"val loss {val_loss:.4f} after {state['step']} steps; checkpoint: {args.ckpt}")
     return {"step": state["step"], "losses": losses, "val_loss": val_loss, "plugin": plugin,
-            "guard": guard}
+            "guard": guard, "graphs": graphs}
 
 
 if __name__ == "__main__":  # (also keeps spawned data-loader workers from re-running it)

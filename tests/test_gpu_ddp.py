@@ -151,3 +151,32 @@ def test_fabric_example_trains_fp8_under_fsdp2_on_two_gpus_and_resumes(tmp_path)
     assert "at step 4" in out and sorted(resumed) == ["6"], out[-2000:]
     print(f"\n[Fabric FSDP2 2 GPUs] step-6 loss resumed {resumed['6']} vs whole {whole['6']}")
     assert abs(float(resumed["6"]) - float(whole["6"])) < 0.02 * float(whole["6"])
+
+
+@needs_te
+def test_fabric_example_replays_a_graph_per_block_under_ddp_and_trains_as_eager(tmp_path):
+    """``examples/fabric_train.py --strategy ddp --devices 2``: each TE block captured as its own
+    CUDA graph (DDP's all-reduce between the replays), the loss curve that of the eager blocks."""
+    import subprocess
+    import sys
+
+    from tests._runs import ROOT
+
+    def run(name, *extra):
+        result = subprocess.run(
+            [sys.executable, "examples/fabric_train.py", "--ckpt", str(tmp_path / name),
+             "--model", "gpt2", "--n_layer", "4", "--batch_size", "8", "--seq_len", "256",
+             "--corpus_chars", "300000", "--log_every", "5", "--save_every", "100", "--steps",
+             "20", "--fresh", "--devices", "2", "--strategy", "ddp", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses = [float(v) for v in re.findall(r"^step +\d+ \| loss ([\d.]+)", result.stdout, re.M)]
+        return result.stdout + result.stderr, losses
+
+    out, graphed = run("graphs.ckpt")
+    assert "CUDA graphs: a graph per block" in out and "4 blocks captured as a graph each" in out
+    out, eager = run("eager.ckpt", "--no_cuda_graphs")
+    assert "CUDA graphs: off (--no_cuda_graphs)" in out and "captured" not in out
+    worst = max(abs(a - b) / b for a, b in zip(graphed, eager))
+    print(f"\n[Fabric DDP graphs vs eager] {graphed} vs {eager}, worst relative gap {worst:.4f}")
+    assert len(graphed) == 4 and worst < 0.02
