@@ -12,8 +12,9 @@ modules (head split, QK-norm, RoPE, SDPA, the loss), leaving TE's modules to TE.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -310,7 +311,7 @@ def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True,
     if model.backend == "torch" and per_block:
         model.loss_fn = torch.compile(next_token_loss)
         for block in model.blocks:
-            block.residual = torch.compile(block.residual)
+            block.residual = _whole_under_ddp(torch.compile(block.residual))
         return "each block and the loss"
     if model.backend == "torch":
         if cuda_graphs:
@@ -328,6 +329,20 @@ def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True,
             block.heads = torch.compile(block.heads)
     what = "heads + SDPA" if isinstance(model.blocks[0].core, SDPAttention) else "heads"
     return f"the regions between TE modules: {what} per block, the loss"
+
+
+def _whole_under_ddp(compiled: Any) -> Any:
+    """``compiled``, compiled in one piece when it is first called inside DDP's forward: Dynamo
+    would otherwise split it at DDP's gradient-bucket boundaries (its DDPOptimizer), which only
+    pays when the compiled graph's backward produces gradients for DDP's hooks; a block replayed
+    as its own CUDA graph hands DDP its gradients after the replay anyway."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any) -> Any:
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return compiled(*args)
+
+    return call
 
 
 def uncompile_model(model: GPT) -> None:

@@ -184,6 +184,31 @@ def test_blocks_compiled_one_by_one_keep_names_and_share_one_graph():
     torch._dynamo.reset()
 
 
+def test_blocks_compiled_one_by_one_stay_whole_inside_ddp(tmp_path):
+    """Called inside DDP's forward, a block compiled for its own CUDA graph is one compiled graph,
+    not DDP's bucket-sized pieces (Dynamo's DDPOptimizer), at any bucket size."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/pg")
+    try:
+        torch.manual_seed(0)
+        config = GPTConfig(name="tiny", n_layer=2, n_embd=256, n_head=4)  # 3 MB a block
+        model = GPT(config)
+        torch._dynamo.reset()
+        counters.clear()
+        compile_model(model, per_block=True)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1)  # buckets of a third of a block
+        idx = torch.randint(0, config.vocab_size, (2, 17))
+        ddp(idx[:, :-1], idx[:, 1:]).backward()
+        # one graph for both blocks, one for the loss; split, a block's would be several
+        assert counters["aot_autograd"]["total"] == 2, dict(counters["aot_autograd"])
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_residual_stream_dtype_follows_fp32_residual():
     """Under BF16 autocast the residual stream stays float32 on the torch backend (nanoGPT's
     behaviour, the baseline's) unless ``fp32_residual=False``, which carries it in BF16 (the TE
