@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite (`python -m pytest -m gpu`) spread over this machine's GPUs, for a machine whose
-# commands are time-limited: the two-GPU file (tests/test_gpu_ddp.py) on GPUs 0,1 and the
-# one-GPU files on the others at the same time (four GPUs or more), or the one-GPU files on each
-# GPU and then the two-GPU file (two GPUs), or all in turn (one GPU).
+# commands are time-limited: one pytest per test file, the one-GPU files taken from a queue
+# (largest first) by a worker per GPU, so no GPU idles while files wait. With four GPUs or more
+# the two-GPU file (tests/test_gpu_ddp.py) runs first on GPUs 0,1 and their workers join after
+# it; with two or three, the workers empty the queue and then the two-GPU file runs.
 #
 # Usage: scripts/gpu_tests.sh [PYTEST ARGS...]   e.g. scripts/gpu_tests.sh -k "not within_3_percent"
 # Env: OUT (logs, default gpu_tests_out), PART_TIMEOUT (s per pytest, default 540),
@@ -20,6 +21,8 @@ rm -f "$OUT/status.txt"
 TWO=tests/test_gpu_ddp.py
 FILES=${FILES:-$(ls tests/test_gpu.py tests/test_gpu_*.py tests/test_notebook.py | grep -v "^$TWO$")}
 NGPU=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
+[ "$NGPU" -ge 1 ] 2>/dev/null || { echo "no CUDA GPU"; exit 2; }
+ARGS=("$@")
 
 part() {  # part NAME GPUS FILE...: one pytest on GPUS, its log under OUT
     local name=$1 gpus=$2
@@ -32,30 +35,24 @@ part() {  # part NAME GPUS FILE...: one pytest on GPUS, its log under OUT
     echo "=== $name (GPUs $gpus): exit $rc" | tee -a "$OUT/status.txt"
 }
 
-ARGS=("$@")
-one=($FILES)
-if [ "$NGPU" -ge 4 ]; then  # the two-GPU file beside the one-GPU parts
-    part two-gpu 0,1 $TWO &
-    spare=($(seq 2 $((NGPU - 1))))
-elif [ "$NGPU" -ge 1 ]; then
-    spare=($(seq 0 $((NGPU - 1))))
+QUEUE=$OUT/queue.txt
+ls -S $FILES > "$QUEUE"  # a file's size stands for its run time
+take() {  # the next file of the queue, removed from it ("" when empty)
+    (flock 9; head -1 "$QUEUE"; sed -i 1d "$QUEUE") 9> "$OUT/queue.lock"
+}
+worker() {  # worker GPU: one-GPU files from the queue on GPU until it is empty
+    local f
+    while f=$(take) && [ -n "$f" ]; do part "$(basename "$f" .py)" "$1" "$f"; done
+}
+
+if [ "$NGPU" -ge 4 ]; then
+    (part two-gpu 0,1 $TWO; worker 0 & worker 1 & wait) &
+    for g in $(seq 2 $((NGPU - 1))); do worker "$g" & done
+    wait
 else
-    echo "no CUDA GPU"; exit 2
+    for g in $(seq 0 $((NGPU - 1))); do worker "$g" & done
+    wait
+    [ "$NGPU" -ge 2 ] && part two-gpu 0,1 $TWO
 fi
-# the one-GPU files dealt largest first to the spare GPU with the least so far (a file's size
-# stands for its run time), one pytest per spare GPU
-declare -a load mine
-for i in "${!spare[@]}"; do load[$i]=0; mine[$i]=""; done
-for f in $(ls -S "${one[@]}"); do
-    least=0
-    for i in "${!spare[@]}"; do [ "${load[$i]}" -lt "${load[$least]}" ] && least=$i; done
-    load[$least]=$(( load[least] + $(wc -c < "$f") ))
-    mine[$least]+=" $f"
-done
-for i in "${!spare[@]}"; do
-    [ -n "${mine[$i]}" ] && part "one-gpu-$i" "${spare[$i]}" ${mine[$i]} &
-done
-wait
-[ "$NGPU" -ge 2 ] && [ "$NGPU" -lt 4 ] && part two-gpu 0,1 $TWO
 grep -hE "^(FAILED|ERROR)|^=+ .*(passed|failed|error|skipped)" "$OUT"/*.log
 ! grep -v "exit 0$" "$OUT/status.txt" > /dev/null  # the exit status: 0 when every part passed

@@ -59,31 +59,38 @@ def test_the_fabric_example_s_lines_count_as_a_run_of_its_gpus(tmp_path, capsys)
 
 
 def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_file_once(tmp_path):
-    """scripts/gpu_tests.sh with a stand-in for python that records each pytest it is given: on
-    four GPUs the two-GPU file runs on 0,1 beside the one-GPU files on 2 and 3; on two GPUs the
-    one-GPU files run on 0 and 1, then the two-GPU file; every GPU test file runs exactly once."""
+    """scripts/gpu_tests.sh with a stand-in for python that records each pytest it is given: one
+    pytest per file; on four GPUs the two-GPU file runs on 0,1 first while 2 and 3 take one-GPU
+    files, and 0 and 1 take files after it; on two GPUs 0 and 1 take the one-GPU files, then the
+    two-GPU file runs; every GPU test file runs exactly once."""
     import os
     import subprocess
 
     fake = tmp_path / "python"
+    # a pytest takes a moment, so that every worker gets files
     fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "$NG"; exit 0;; esac\n'
-                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"\n')
+                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"; sleep 0.2\n')
     fake.chmod(0o755)
     files = sorted(p.relative_to(ROOT).as_posix()
                    for p in [*ROOT.glob("tests/test_gpu*.py"), ROOT / "tests/test_notebook.py"])
-    for n, one_gpu_sets in ((4, {"2", "3"}), (2, {"0", "1"})):
+    for n, one_gpu_sets in ((4, {"0", "1", "2", "3"}), (2, {"0", "1"})):
         calls = tmp_path / f"calls{n}.txt"
         env = dict(os.environ, NG=str(n), CALLS=str(calls), PYTHON=str(fake),
                    OUT=str(tmp_path / f"out{n}"))
         subprocess.run(["bash", str(ROOT / "scripts" / "gpu_tests.sh"), "-k", "not slow"],
                        env=env, check=True, capture_output=True, timeout=60)
-        runs = [line.split("|") for line in calls.read_text().splitlines()]
-        by_gpus = {gpus: [a for a in args.split() if a.startswith("tests/")] for gpus, args in runs}
-        assert by_gpus.pop("0,1") == ["tests/test_gpu_ddp.py"]
-        assert set(by_gpus) == one_gpu_sets
-        ran = [f for part in by_gpus.values() for f in part] + ["tests/test_gpu_ddp.py"]
-        assert sorted(ran) == files
-        assert all(args.endswith("-k not slow") and "-m gpu" in args for _, args in runs)
+        runs = [(gpus, [a for a in args.split() if a.startswith("tests/")])
+                for gpus, args in (line.split("|") for line in calls.read_text().splitlines())]
+        assert all(len(ran) == 1 for _, ran in runs)  # a pytest per file
+        order = [gpus for gpus, _ in runs]
+        assert [ran for gpus, ran in runs if gpus == "0,1"] == [["tests/test_gpu_ddp.py"]]
+        # four GPUs: the two-GPU file first; two: last
+        assert order.index("0,1") == (0 if n == 4 else len(order) - 1) or n == 4 and \
+            set(order[:order.index("0,1")]) <= {"2", "3"}
+        assert {gpus for gpus in order if gpus != "0,1"} == one_gpu_sets
+        assert sorted(f for _, ran in runs for f in ran) == files
+        assert all("-m gpu" in line and line.endswith("-k not slow")
+                   for line in calls.read_text().splitlines())
 
 
 def test_the_8b_seed_table_runs_its_variants_on_gpu_sets_at_once(tmp_path):
