@@ -58,39 +58,53 @@ def test_the_fabric_example_s_lines_count_as_a_run_of_its_gpus(tmp_path, capsys)
     assert "fabric-fp8       ddp-2gpu      297,600 per GPU  scaling  0.91" in out, out
 
 
-def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_file_once(tmp_path):
-    """scripts/gpu_tests.sh with a stand-in for python that records each pytest it is given: one
-    pytest per file; on four GPUs the two-GPU file runs on 0,1 first while 2 and 3 take one-GPU
-    files, and 0 and 1 take files after it; on two GPUs 0 and 1 take the one-GPU files, then the
-    two-GPU file runs; every GPU test file runs exactly once."""
+def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_path):
+    """scripts/gpu_tests.sh with a stand-in for python that records each pytest it is given: each
+    pair of GPUs takes the two-GPU tests (a pytest per test function), then its GPUs take one-GPU
+    files (a pytest per file), as does a GPU without a pair; every GPU test file runs, the
+    two-GPU file once per test function; past DEADLINE nothing starts and what is left is
+    listed."""
     import os
+    import re
     import subprocess
 
     fake = tmp_path / "python"
-    # a pytest takes a moment, so that every worker gets files
+    # a pytest takes a moment, so that every GPU gets work
     fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "$NG"; exit 0;; esac\n'
-                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"; sleep 0.2\n')
+                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"; sleep 0.3\n')
     fake.chmod(0o755)
+    two = "tests/test_gpu_ddp.py"
+    functions = re.findall(r"^def (test_\w+)", (ROOT / two).read_text(), re.M)
     files = sorted(p.relative_to(ROOT).as_posix()
-                   for p in [*ROOT.glob("tests/test_gpu*.py"), ROOT / "tests/test_notebook.py"])
-    for n, one_gpu_sets in ((4, {"0", "1", "2", "3"}), (2, {"0", "1"})):
-        calls = tmp_path / f"calls{n}.txt"
-        env = dict(os.environ, NG=str(n), CALLS=str(calls), PYTHON=str(fake),
-                   OUT=str(tmp_path / f"out{n}"))
-        subprocess.run(["bash", str(ROOT / "scripts" / "gpu_tests.sh"), "-k", "not slow"],
-                       env=env, check=True, capture_output=True, timeout=60)
+                   for p in [*ROOT.glob("tests/test_gpu*.py"), ROOT / "tests/test_notebook.py"]
+                   if p.name != "test_gpu_ddp.py")
+
+    def suite(n, **env):
+        calls = tmp_path / f"calls{n}{env}.txt"
+        result = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_tests.sh"), "-k", "not slow"],
+            env=dict(os.environ, NG=str(n), CALLS=str(calls), PYTHON=str(fake),
+                     OUT=str(tmp_path / f"out{n}"), **env), capture_output=True, text=True,
+            timeout=60)
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        assert all("-m gpu" in line and line.endswith("-k not slow") for line in lines)
         runs = [(gpus, [a for a in args.split() if a.startswith("tests/")])
-                for gpus, args in (line.split("|") for line in calls.read_text().splitlines())]
-        assert all(len(ran) == 1 for _, ran in runs)  # a pytest per file
-        order = [gpus for gpus, _ in runs]
-        assert [ran for gpus, ran in runs if gpus == "0,1"] == [["tests/test_gpu_ddp.py"]]
-        # four GPUs: the two-GPU file first; two: last
-        assert order.index("0,1") == (0 if n == 4 else len(order) - 1) or n == 4 and \
-            set(order[:order.index("0,1")]) <= {"2", "3"}
-        assert {gpus for gpus in order if gpus != "0,1"} == one_gpu_sets
-        assert sorted(f for _, ran in runs for f in ran) == files
-        assert all("-m gpu" in line and line.endswith("-k not slow")
-                   for line in calls.read_text().splitlines())
+                for gpus, args in (line.split("|") for line in lines)]
+        assert all(len(ran) == 1 for _, ran in runs)  # a pytest per test or file
+        return result, [(gpus, ran[0]) for gpus, ran in runs]
+
+    for n, pairs, singles in ((4, {"0,1", "2,3"}, {"0", "1", "2", "3"}), (3, {"0,1"}, {"0", "1", "2"})):
+        result, runs = suite(n)
+        assert result.returncode == 0, result.stdout
+        assert sorted(ran for gpus, ran in runs if "," in gpus) == sorted(
+            f"{two}::{f}" for f in functions)
+        assert {gpus for gpus, _ in runs if "," in gpus} == pairs
+        assert {gpus for gpus, _ in runs if "," not in gpus} == singles
+        assert sorted(ran for gpus, ran in runs if "," not in gpus) == files
+    result, runs = suite(2, DEADLINE="0")
+    assert runs == [] and result.returncode != 0
+    assert result.stdout.split("not run (DEADLINE):")[1].split() == \
+        [f"{two}::{f}" for f in functions] + sorted(files, key=lambda f: -(ROOT / f).stat().st_size)
 
 
 def test_the_8b_seed_table_runs_its_variants_on_gpu_sets_at_once(tmp_path):
