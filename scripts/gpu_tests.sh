@@ -14,6 +14,9 @@
 # tests/test_gpu_ddp.py), FP8L_RUN_TIMEOUT (s, default 300: a CLI fit inside a test that runs
 # longer prints every process's Python stacks and fails, tests/_runs.py). Each pytest runs
 # verbosely with its durations; the failures and the counts last.
+# On four H100s the whole suite is about 45 GPU-minutes (the two-GPU tests 1 to 3.5 minutes each
+# on a pair, the one-GPU files up to 5), more than one 10-minute call: give the first call a
+# DEADLINE, the next FILES and TWO_TESTS from its left.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_tests_out}
@@ -36,6 +39,7 @@ part() {  # part NAME GPUS PYTEST_ARGS...: one pytest on GPUS, its log under OUT
     CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "${PART_TIMEOUT:-540}" $PYTHON -m pytest -m gpu -v -rs \
         --durations=15 -p no:cacheprovider "$@" "${ARGS[@]}" > "$OUT/$name.log" 2>&1
     local rc=$?
+    [ $rc -eq 5 ] && rc=0  # pytest's "nothing collected": a file skipped whole (the notebook's without its extras)
     echo "=== $name (GPUs $gpus): exit $rc" | tee -a "$OUT/status.txt"
 }
 
