@@ -15,9 +15,11 @@
 #                  GPU, then each of STRATEGIES on each of GPUS through torchrun
 #   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one call: plain script,
 #                  package BF16, FP8 (TE delayed; torchao tensorwise under FSDP2) and, for GPT-2,
-#                  examples/fabric_train.py, on 1 GPU (two runs at a time, one per GPU) and 2 GPUs
+#                  examples/fabric_train.py, on 1 GPU (a run per GPU of ONE_SETS at a time) and
+#                  2 GPUs (a run per pair of SETS at a time); on four GPUs
+#                  ONE_SETS="0 1 2 3" SETS="0,1 2,3" takes about half the time
 #   table-gpt-1.3b-ddp | table-gpt-1.3b-fsdp   the 1.3B table's one-GPU rows and one strategy's
-#                  (the whole 1.3B table takes more than one 10-minute device call)
+#                  (on two GPUs the whole 1.3B table takes more than one 10-minute device call)
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
 #                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
 #                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
@@ -47,7 +49,9 @@
 # fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
 # combined as fsdp-reshard-g1-compiled), COMPILE (unset:
 # model.compile's default), PROFILE_AT (default STEPS - 10: the steps after a profile run slower), SINGLE (default 1; 0 skips the one-GPU runs),
-# LOSS_GPUS (default 4: loss-gpt2's and resume-gpt2's several-GPU count);
+# LOSS_GPUS (default 4: loss-gpt2's and resume-gpt2's several-GPU count); ONE_SETS (default "0 1")
+# and SETS (default none: one run after the other) the GPUs and GPU pairs the table jobs run on
+# at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
@@ -230,28 +234,43 @@ fabric_run() {  # fabric_run single|ddp|fsdp GPUS: examples/fabric_train.py, GPT
     rm -rf "$OUT/$name.ckpt"
 }
 
+at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script's functions) on a
+    # GPU set (CUDA_VISIBLE_DEVICES), as many at a time as there are sets, each set with its own
+    # rendezvous port; with no set, one after the other on the default GPUs
+    local sets=($1) i=0 job
+    shift
+    for job in "$@"; do
+        if [ ${#sets[@]} = 0 ]; then eval "$job"; continue; fi
+        local port=$((29600 + 10 * i))
+        (export CUDA_VISIBLE_DEVICES=${sets[$i]} MASTER_PORT=$port PET_MASTER_PORT=$port
+         eval "$job") &
+        i=$(( (i + 1) % ${#sets[@]} ))
+        [ "$i" = 0 ] && wait
+    done
+    wait
+}
+
 table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one call
-    # (one strategy's rows where named: the 1.3B's whole table does not fit one 10-minute call).
-    # The one-GPU runs go two at a time, one per GPU, started together (FP8 beside the plain
-    # BF16 script, the package's BF16 beside the Fabric example). Then on both GPUs: the plain
-    # script, the package's BF16 (DDP), FP8 TE delayed, torchao tensorwise (FSDP2, where it is
-    # the faster engine) and, for GPT-2, the Fabric example.
+    # (one strategy's rows where named). The one-GPU runs go as many at a time as ONE_SETS has
+    # GPUs (default "0 1": FP8 beside the plain BF16 script, the package's BF16 beside the Fabric
+    # example); the two-GPU runs (the plain script, the package's BF16 (DDP), FP8 TE delayed,
+    # torchao tensorwise (FSDP2) and, for GPT-2, the Fabric example) one after the other, or as
+    # many at a time as SETS has GPU pairs (e.g. "0,1 2,3" on four GPUs).
     local model=$1 batch=$2 only=${3:-} s
     local strategies=${only:-ddp fsdp}
     data1k || return
-    CUDA_VISIBLE_DEVICES=0 plain_run "$model" "$batch" single 1 &
-    CUDA_VISIBLE_DEVICES=1 tp_run "$model" "$batch" fp8 single 1 &
-    wait
+    local one=("plain_run $model $batch single 1" "tp_run $model $batch fp8 single 1") two=()
     if [ "$only" != fsdp ]; then
-        CUDA_VISIBLE_DEVICES=0 tp_run "$model" "$batch" bf16 single 1 &
-        [ "$model" = gpt2 ] && CUDA_VISIBLE_DEVICES=1 fabric_run single 1 &
-        wait
+        one+=("tp_run $model $batch bf16 single 1")
+        [ "$model" = gpt2 ] && one+=("fabric_run single 1")
     fi
-    for s in $strategies; do plain_run "$model" "$batch" "$s" 2; done
-    [ "$only" != fsdp ] && tp_run "$model" "$batch" bf16 ddp 2
-    for s in $strategies; do tp_run "$model" "$batch" fp8 "$s" 2; done
-    [ "$only" != ddp ] && tp_run "$model" "$batch" fp8-tensorwise fsdp 2
-    if [ "$model" = gpt2 ]; then for s in $strategies; do fabric_run "$s" 2; done; fi
+    for s in $strategies; do two+=("plain_run $model $batch $s 2"); done
+    [ "$only" != fsdp ] && two+=("tp_run $model $batch bf16 ddp 2")
+    for s in $strategies; do two+=("tp_run $model $batch fp8 $s 2"); done
+    [ "$only" != ddp ] && two+=("tp_run $model $batch fp8-tensorwise fsdp 2")
+    if [ "$model" = gpt2 ]; then for s in $strategies; do two+=("fabric_run $s 2"); done; fi
+    at_once "${ONE_SETS:-0 1}" "${one[@]}"
+    at_once "${SETS:-}" "${two[@]}"
 }
 
 LOSS_GPUS=${LOSS_GPUS:-4}  # the several-GPU count of loss-gpt2 / resume-gpt2 (2, 4 or 8)
@@ -320,14 +339,11 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
     # SETS8B: GPU sets that run variants at the same time, one each (e.g. "0,1 2,3" on four GPUs
     # with DEVICES8B=2: half the wall time; the runs share the host)
     data8k || return
-    local sets=(${SETS8B:-}) i=0 v
+    local v jobs=()
     for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
-        if [ ${#sets[@]} = 0 ]; then t8 "$v"; continue; fi
-        CUDA_VISIBLE_DEVICES=${sets[$i]} t8 "$v" &
-        i=$(( (i + 1) % ${#sets[@]} ))
-        [ "$i" = 0 ] && wait
+        jobs+=("t8 $v")
     done
-    wait
+    at_once "${SETS8B:-}" "${jobs[@]}"
 }
 
 t8() {  # t8 VARIANT: one run of the seed table

@@ -130,3 +130,44 @@ def test_the_8b_seed_table_runs_its_variants_on_gpu_sets_at_once(tmp_path):
     # (the first two start together: their lines come in either order)
     assert ran == [("0,1", False, True), ("0,1", True, False), ("2,3", False, False)]
     assert all("--trainer.devices 2" in args for _, args in fits)
+
+
+def test_the_two_gpu_table_runs_on_gpu_pairs_at_once(tmp_path):
+    """multi_gpu.sh table-gpt2 with ONE_SETS="0 1 2 3" SETS="0,1 2,3" (a stand-in for python
+    records each run): the one-GPU runs (plain script, FP8, BF16, Fabric) one per GPU, the
+    two-GPU runs on the pairs, each pair with its own rendezvous port, every run once."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 4; exit 0;; esac\n'
+                    'echo "$CUDA_VISIBLE_DEVICES|$MASTER_PORT|$*" >> "$CALLS"\n')
+    fake.chmod(0o755)
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "meta.json").write_text("{}")
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, CALLS=str(calls), PYTHON=str(fake), OUT=str(tmp_path / "out"),
+               DATA=str(data), ONE_SETS="0 1 2 3", SETS="0,1 2,3")
+    subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-gpt2"], env=env,
+                   capture_output=True, timeout=60)
+    runs = [line.split("|") for line in calls.read_text().splitlines()
+            if "plain_pytorch" in line or " fit " in line or "fabric_train" in line]
+
+    def kind(args):
+        what = ("plain" if "plain_pytorch" in args else "fabric" if "fabric_train" in args
+                else "tensorwise" if "tensorwise" in args else "bf16" if "gpt2_bf16" in args
+                else "fp8")
+        two = "--nproc_per_node 2" in args or "devices 2" in args
+        strategy = ("fsdp" if "fsdp" in args else "ddp" if "ddp" in args else "") if two else ""
+        return what, strategy
+
+    one = sorted((kind(args), gpus) for gpus, _, args in runs if "," not in gpus)
+    assert one == [(("bf16", ""), "2"), (("fabric", ""), "3"), (("fp8", ""), "1"),
+                   (("plain", ""), "0")]
+    two = sorted(kind(args) for gpus, _, args in runs if "," in gpus)
+    assert two == sorted([("plain", "ddp"), ("plain", "fsdp"), ("bf16", "ddp"), ("fp8", "ddp"),
+                          ("fp8", "fsdp"), ("tensorwise", "fsdp"), ("fabric", "ddp"),
+                          ("fabric", "fsdp")])
+    pairs = {gpus: {port for g, port, _ in runs if g == gpus} for gpus, _, _ in runs if "," in gpus}
+    assert set(pairs) == {"0,1", "2,3"} and len(pairs["0,1"] | pairs["2,3"]) == 2
