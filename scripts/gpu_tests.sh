@@ -43,8 +43,10 @@ part() {  # part NAME GPUS PYTEST_ARGS...: one pytest on GPUS, its log under OUT
     echo "=== $name (GPUs $gpus): exit $rc" | tee -a "$OUT/status.txt"
 }
 
-ls -S $FILES > "$OUT/one.txt"  # a file's size stands for its run time
-printf "%s\n" $TWO_TESTS > "$OUT/two.txt"
+# (FILES or TWO_TESTS " ": none of them)
+: > "$OUT/one.txt"
+[ -n "${FILES// }" ] && ls -S $FILES > "$OUT/one.txt"  # a file's size stands for its run time
+for t in $TWO_TESTS; do echo "$t"; done > "$OUT/two.txt"
 [ "$NGPU" -ge 2 ] || : > "$OUT/two.txt"  # (they skip with one GPU)
 take() {  # take QUEUE: its next item, removed from it ("" when empty or past DEADLINE)
     [ -n "${DEADLINE:-}" ] && [ "$SECONDS" -ge "$DEADLINE" ] && return

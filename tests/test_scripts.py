@@ -101,6 +101,12 @@ def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_pa
         assert {gpus for gpus, _ in runs if "," in gpus} == pairs
         assert {gpus for gpus, _ in runs if "," not in gpus} == singles
         assert sorted(ran for gpus, ran in runs if "," not in gpus) == files
+    # FILES " " (none): the two-GPU tests alone; TWO_TESTS " ": the one-GPU files alone
+    result, runs = suite(2, FILES=" ")
+    assert result.returncode == 0 and sorted(ran for _, ran in runs) == sorted(
+        f"{two}::{f}" for f in functions)
+    result, runs = suite(2, TWO_TESTS=" ")
+    assert result.returncode == 0 and sorted(ran for _, ran in runs) == files
     result, runs = suite(2, DEADLINE="0")
     assert runs == [] and result.returncode != 0
     assert result.stdout.split("not run (DEADLINE):")[1].split() == \
