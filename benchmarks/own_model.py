@@ -38,9 +38,14 @@ MODELS = {
                                num_key_value_heads=8, max_position_embeddings=1024,
                                tie_word_embeddings=True, rope_theta=500000.0), 8),
 }
-# name -> (FP8Precision recipe or None for bf16-mixed, compiled)
-VARIANTS = {"bf16": (None, True), "bf16-eager": (None, False), "tensorwise": ("tensorwise", True),
-            "delayed": ("delayed", False), "delayed-compiled": ("delayed", True)}
+# name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's other settings);
+# -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
+# filter off
+VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
+            "tensorwise": ("tensorwise", True, {}),
+            "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
+            "tensorwise-all": ("tensorwise", True, {"fp8_layers": "all"}),
+            "delayed": ("delayed", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
 
 
@@ -84,7 +89,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
 
     from fp8_lightning.fp8 import FP8Precision
 
-    recipe, compile = VARIANTS[variant]
+    recipe, compile, settings = VARIANTS[variant]
     _, dims, batch = MODELS[model]
     tokens = batch * SEQ
     times: list[float] = []
@@ -100,7 +105,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
     module = lit_module(model, compile)
     vocab = dims["vocab_size"]
     data = torch.randint(0, vocab, (steps * batch, SEQ + 1))
-    plugin = FP8Precision(recipe=recipe, on_unavailable="error") if recipe else None
+    plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
     trainer = L.Trainer(max_steps=steps, accelerator="gpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
