@@ -141,6 +141,7 @@ precision_args() {  # precision_args NAME: the config and overrides of a PRECISI
         fp8)            echo "configs/gpt2_fp8.yaml" ;;  # TE delayed
         fp8-nograph)    echo "configs/gpt2_fp8.yaml --model.cuda_graphs false" ;;
         fp8-current)    echo "configs/gpt2_fp8.yaml --trainer.plugins.init_args.recipe current" ;;
+        fp8-head)       echo "configs/gpt2_fp8.yaml --trainer.plugins.init_args.fp8_lm_head true" ;;  # LM head FP8 too
         fp8-tensorwise) echo "configs/gpt2_fp8.yaml --trainer.plugins.init_args.recipe tensorwise --model.attention sdpa" ;;
         *) echo "unknown precision $1" >&2; return 1 ;;
     esac
