@@ -45,7 +45,7 @@
 #                  scaling against the fewest GPUs run
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 120), PRECISIONS
 # (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"; also ddp-bf16grad:
-# gradients all-reduced in BF16; fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
+# gradients all-reduced in BF16; ddp-bN: DDP's gradient buckets of N MB (default 25); fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
 # fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
 # combined as fsdp-reshard-g1-compiled), COMPILE (unset:
 # model.compile's default), PROFILE_AT (default STEPS - 10: the steps after a profile run slower), SINGLE (default 1; 0 skips the one-GPU runs),
@@ -155,6 +155,7 @@ strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGI
     case $name in
         ddp)          echo "configs/ddp.yaml"; return ;;
         ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK"; return ;;
+        ddp-b[0-9]*)  echo "configs/ddp.yaml --trainer.strategy.init_args.bucket_cap_mb ${name#ddp-b}"; return ;;
         fsdp*)        args="configs/fsdp.yaml" ;;
         *) echo "unknown strategy $name" >&2; return 1 ;;
     esac
