@@ -1,5 +1,6 @@
 """The maintainers' harness scripts: how ``scripts/multi_gpu_summary.py`` reads a run's log (its
-figures are the docs' several-GPU tables)."""
+figures are the docs' several-GPU tables), and how ``scripts/gpu_tests.sh`` and
+``scripts/multi_gpu.sh`` spread their runs over a machine's GPUs (python stood in for)."""
 
 from tests._runs import ROOT, load_script
 
@@ -12,6 +13,40 @@ def monitor_line(step: int, ms: float, mfu: str) -> str:
     tok_s = round(16 * 1024 * 2 / ms * 1000)
     return (f"step {step} | loss 4.0000 | lr 1.00e-04 | norm 1.000 | dt {ms}ms | tok/s {tok_s:,} "
             f"| mfu {mfu} | mfu_fp8 1.0% | FP8 delayed")
+
+
+def stand_in_python(tmp_path, record, gpus="4", pause=""):
+    """A stand-in for python that the GPU scripts call: it answers ``device_count`` with
+    ``gpus`` and appends ``record`` (shell words, e.g. ``$CUDA_VISIBLE_DEVICES|$*``) to
+    ``$CALLS`` for every other call, then sleeps ``pause`` seconds where given."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\ncase "$*" in *device_count*) echo "{gpus}"; exit 0;; esac\n'
+                    f'echo "{record}" >> "$CALLS"' + (f"; sleep {pause}" if pause else "") + "\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def multi_gpu_calls(tmp_path, job, record, **env):
+    """``scripts/multi_gpu.sh JOB`` with python stood in for (:func:`stand_in_python` recording
+    ``record``) and its corpora taken as prepared: each recorded call's fields."""
+    import os
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), job], capture_output=True,
+                   timeout=60, env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"),
+                                        PYTHON=str(stand_in_python(tmp_path, record)),
+                                        DATA=str(prepared_corpus(tmp_path, "d")),
+                                        DATA8K=str(prepared_corpus(tmp_path, "d8")), **env))
+    return [line.split("|") for line in calls.read_text().splitlines()]
+
+
+def prepared_corpus(tmp_path, name):
+    """A data directory the scripts take as prepared (its meta.json): no preparing here."""
+    data = tmp_path / name
+    data.mkdir()
+    (data / "meta.json").write_text("{}")
+    return data
 
 
 def test_the_median_keeps_the_lines_before_the_profile_and_after_the_first_two(tmp_path):
@@ -68,11 +103,8 @@ def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_pa
     import re
     import subprocess
 
-    fake = tmp_path / "python"
     # a pytest takes a moment, so that every GPU gets work
-    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "$NG"; exit 0;; esac\n'
-                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"; sleep 0.3\n')
-    fake.chmod(0o755)
+    fake = stand_in_python(tmp_path, "$CUDA_VISIBLE_DEVICES|$*", gpus="$NG", pause="0.3")
     two = "tests/test_gpu_ddp.py"
     functions = re.findall(r"^def (test_\w+)", (ROOT / two).read_text(), re.M)
     files = sorted(p.relative_to(ROOT).as_posix()
@@ -116,22 +148,9 @@ def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_pa
 def test_the_8b_seed_table_runs_its_variants_on_gpu_sets_at_once(tmp_path):
     """multi_gpu.sh table-8b with SETS8B="0,1 2,3" (a stand-in for python records each fit):
     each variant's FSDP2 run gets one GPU pair, two at a time, every variant once."""
-    import os
-    import subprocess
-
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 4; exit 0;; esac\n'
-                    'echo "$CUDA_VISIBLE_DEVICES|$*" >> "$CALLS"\n')
-    fake.chmod(0o755)
-    data = tmp_path / "d8"
-    data.mkdir()
-    (data / "meta.json").write_text("{}")  # the corpus "prepared": no preparing here
-    calls = tmp_path / "calls.txt"
-    env = dict(os.environ, CALLS=str(calls), PYTHON=str(fake), OUT=str(tmp_path / "out"),
-               DATA8K=str(data), SETS8B="0,1 2,3", VARIANTS8B="bf16 fp8-delayed fp8-current")
-    subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"], env=env,
-                   capture_output=True, timeout=60)
-    fits = [line.split("|") for line in calls.read_text().splitlines() if " fit " in line]
+    calls = multi_gpu_calls(tmp_path, "table-8b", "$CUDA_VISIBLE_DEVICES|$*", SETS8B="0,1 2,3",
+                            VARIANTS8B="bf16 fp8-delayed fp8-current")
+    fits = [(gpus, args) for gpus, args in calls if " fit " in args]
     ran = sorted((gpus, "llama3_8b_bf16" in args, "recipe current" in args) for gpus, args in fits)
     # (the first two start together: their lines come in either order)
     assert ran == [("0,1", False, True), ("0,1", True, False), ("2,3", False, False)]
@@ -142,23 +161,10 @@ def test_the_two_gpu_table_runs_on_gpu_pairs_at_once(tmp_path):
     """multi_gpu.sh table-gpt2 with ONE_SETS="0 1 2 3" SETS="0,1 2,3" (a stand-in for python
     records each run): the one-GPU runs (plain script, FP8, BF16, Fabric) one per GPU, the
     two-GPU runs on the pairs, each pair with its own rendezvous port, every run once."""
-    import os
-    import subprocess
-
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 4; exit 0;; esac\n'
-                    'echo "$CUDA_VISIBLE_DEVICES|$MASTER_PORT|$*" >> "$CALLS"\n')
-    fake.chmod(0o755)
-    data = tmp_path / "d"
-    data.mkdir()
-    (data / "meta.json").write_text("{}")
-    calls = tmp_path / "calls.txt"
-    env = dict(os.environ, CALLS=str(calls), PYTHON=str(fake), OUT=str(tmp_path / "out"),
-               DATA=str(data), ONE_SETS="0 1 2 3", SETS="0,1 2,3")
-    subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-gpt2"], env=env,
-                   capture_output=True, timeout=60)
-    runs = [line.split("|") for line in calls.read_text().splitlines()
-            if "plain_pytorch" in line or " fit " in line or "fabric_train" in line]
+    calls = multi_gpu_calls(tmp_path, "table-gpt2", "$CUDA_VISIBLE_DEVICES|$MASTER_PORT|$*",
+                            ONE_SETS="0 1 2 3", SETS="0,1 2,3")
+    runs = [call for call in calls
+            if any(what in call[2] for what in ("plain_pytorch", " fit ", "fabric_train"))]
 
     def kind(args):
         what = ("plain" if "plain_pytorch" in args else "fabric" if "fabric_train" in args
