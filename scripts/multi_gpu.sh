@@ -155,7 +155,8 @@ strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGI
     case $name in
         ddp)          echo "configs/ddp.yaml"; return ;;
         ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK"; return ;;
-        ddp-b[0-9]*)  echo "configs/ddp.yaml --trainer.strategy.init_args.bucket_cap_mb ${name#ddp-b}"; return ;;
+        ddp-b*)       [[ $name =~ ^ddp-b([1-9][0-9]*)$ ]] || { echo "unknown strategy $name (ddp-bN: N MB, a whole number)" >&2; return 1; }
+                      echo "configs/ddp.yaml --trainer.strategy.init_args.bucket_cap_mb ${BASH_REMATCH[1]}"; return ;;
         fsdp*)        args="configs/fsdp.yaml" ;;
         *) echo "unknown strategy $name" >&2; return 1 ;;
     esac

@@ -183,3 +183,22 @@ def test_the_two_gpu_table_runs_on_gpu_pairs_at_once(tmp_path):
                           ("fabric", "fsdp")])
     pairs = {gpus: {port for g, port, _ in runs if g == gpus} for gpus, _, _ in runs if "," in gpus}
     assert set(pairs) == {"0,1", "2,3"} and len(pairs["0,1"] | pairs["2,3"]) == 2
+
+
+def test_a_ddp_bucket_size_strategy_takes_a_whole_number_of_mb():
+    """multi_gpu.sh's STRATEGIES entry ddp-bN: DDP's gradient buckets of N MB on top of
+    configs/ddp.yaml; anything else after ddp-b is refused (status 1, a line on stderr)."""
+    import subprocess
+
+    def strategy_args(name):
+        return subprocess.run(
+            ["bash", "-c", f'source <(sed -n "/^strategy_args()/,/^}}/p" scripts/multi_gpu.sh); '
+                           f'strategy_args {name}'], cwd=ROOT, capture_output=True, text=True)
+
+    good = strategy_args("ddp-b100")
+    assert good.returncode == 0
+    assert good.stdout.split() == ["configs/ddp.yaml",
+                                   "--trainer.strategy.init_args.bucket_cap_mb", "100"]
+    for bad in ("ddp-b1x", "ddp-b0", "ddp-b"):
+        result = strategy_args(bad)
+        assert result.returncode == 1 and result.stdout == "" and "ddp-bN" in result.stderr, bad
