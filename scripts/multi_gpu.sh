@@ -272,7 +272,8 @@ table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of
     for s in $strategies; do two+=("tp_run $model $batch fp8 $s 2"); done
     [ "$only" != ddp ] && two+=("tp_run $model $batch fp8-tensorwise fsdp 2")
     if [ "$model" = gpt2 ]; then for s in $strategies; do two+=("fabric_run $s 2"); done; fi
-    at_once "${ONE_SETS:-0 1}" "${one[@]}"
+    # SINGLE=0: the two-GPU rows only (a strategy's rows in a later call on the same machine)
+    [ "${SINGLE:-1}" = 1 ] && at_once "${ONE_SETS:-0 1}" "${one[@]}"
     at_once "${SETS:-}" "${two[@]}"
 }
 

@@ -202,3 +202,13 @@ def test_a_ddp_bucket_size_strategy_takes_a_whole_number_of_mb():
     for bad in ("ddp-b1x", "ddp-b0", "ddp-b"):
         result = strategy_args(bad)
         assert result.returncode == 1 and result.stdout == "" and "ddp-bN" in result.stderr, bad
+
+
+def test_a_table_with_single_0_runs_only_its_two_gpu_rows(tmp_path):
+    """multi_gpu.sh table-gpt-1.3b-fsdp with SINGLE=0: the FSDP2 rows of the 1.3B table (plain
+    script, FP8 TE, torchao tensorwise) and no one-GPU run."""
+    calls = multi_gpu_calls(tmp_path, "table-gpt-1.3b-fsdp", "$*", SINGLE="0")
+    runs = [args for (args,) in calls if "plain_pytorch" in args or " fit " in args]
+    assert len(runs) == 3
+    assert all("--nproc_per_node 2" in args or "--trainer.devices 2" in args for args in runs)
+    assert all("fsdp" in args for args in runs)
