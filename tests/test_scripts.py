@@ -233,3 +233,15 @@ def test_the_memory_summary_sets_the_estimate_against_the_peak_per_block(tmp_pat
     out = capsys.readouterr().out
     assert "mlp   4 layers: estimate 30.0, peak 36.0 (0.83x)" in out
     assert "mlp   a block: estimate 1.00, measured 3.00" in out
+
+
+def test_single_takes_0_or_1_and_refuses_anything_else(tmp_path):
+    """multi_gpu.sh SINGLE=yes: one error line naming the variable and its values, status 2,
+    nothing run."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-gpt2"],
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, SINGLE="yes", OUT=str(tmp_path / "out"),
+                                     PYTHON=str(stand_in_python(tmp_path, "$*")),
+                                     CALLS=str(tmp_path / "calls.txt")))
+    assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()
+    assert result.stderr.strip() == "error: SINGLE=yes; valid: 1 (the one-GPU runs too) or 0"
