@@ -127,8 +127,17 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     local name=$1 devices=$2 start=$SECONDS
     shift 2
     echo "=== devices: $devices" > "$OUT/$name.log"
-    timeout "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    # timeout leads its own process group, the run's ranks in it: a TERM to this script (a
+    # device call's limit) ends that group too, else the ranks held the GPUs into the next run
+    # ("CUDA-capable device(s) is/are busy"). In the background: bash runs a trap only between
+    # commands, and wait is one.
+    timeout -k 15 "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1 &
+    local pid=$! rc
+    trap 'kill -TERM -- -'$pid' 2>/dev/null; keep "'"$name"'.log"; exit 143' TERM INT
+    wait $pid
+    rc=$?
+    trap - TERM INT
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
     keep "$name.log"
 }
 

@@ -291,3 +291,27 @@ def test_the_memory_probe_groups_live_blocks_by_where_they_were_made():
     assert lines[2].split() == ["2.000", "2", "transformer_engine:pytorch/module/layernorm_mlp.py:500",
                                 "forward", "<-", "fp8_lightning:model.py:150", "residual"]
     assert lines[3].split()[:3] == ["0.500", "1", "fp8_lightning:model.py:300"]
+
+
+def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
+    """multi_gpu.sh under an outer timeout (a device call's limit): the run it had started (a
+    stand-in python that sleeps) ends with the script instead of holding the GPUs, and its log
+    is archived."""
+    calls = tmp_path / "calls.txt"
+    archive = tmp_path / "logs.tar"
+    subprocess.run(["timeout", "3", "bash", str(ROOT / "scripts" / "multi_gpu.sh"), "probe-8b"],
+                   capture_output=True, timeout=60,
+                   env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"),
+                            ARCHIVE=str(archive),
+                            PYTHON=str(stand_in_python(tmp_path, "$$|$*", pause="60")),
+                            DATA8K=str(prepared_corpus(tmp_path, "d8"))))
+    pids = [int(pid) for pid, args in (line.split("|") for line in calls.read_text().splitlines())
+            if " fit " in args]
+    assert len(pids) == 1
+    for _ in range(50):  # the group's TERM is sent at once; give it a moment
+        if not os.path.exists(f"/proc/{pids[0]}"):
+            break
+        subprocess.run(["sleep", "0.1"])
+    assert not os.path.exists(f"/proc/{pids[0]}")
+    assert "p8-mlp.log" in subprocess.run(["tar", "tf", str(archive)], capture_output=True,
+                                          text=True).stdout
