@@ -30,8 +30,10 @@ The estimate counts, per GPU:
 The backward frees activations while it writes gradients, and the LM head's gradient comes
 first: the peak is ``weights + optimizer + max(activations + head gradient, gradients)``, or
 their sum under gradient accumulation (the gradients of the earlier micro-batches are held).
-That holds because the module drops each step's gradients right after its optimizer step
-(Lightning alone keeps them through the next step's forward).
+That holds where gradients are freed between steps: the module drops them right after the
+optimizer step (Lightning alone keeps them through the next step's forward). DDP's gradient
+buckets and the CUDA graphs' static gradients stay allocated; the one-GPU and DDP figures below
+are measured with them.
 
 Measured against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step): 0.95x and
 0.86x on an H100 (GPT-2 124M cut to 4 blocks, 8 x 1024, compiled BF16 and TE FP8;

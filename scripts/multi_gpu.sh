@@ -31,8 +31,9 @@
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
 #                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
 #                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather)
-#   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true:
-#                  peak memory at evaluation against training's (the reference run crashed there)
+#   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
+#                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
+#                  against training's (the reference run crashed there)
 #   resume-8b      FP8 delayed: 19 steps uninterrupted, twice (the run-to-run spread); 10 steps
 #                  with a sharded checkpoint at the end, resumed from it to 19; the resumed losses
 #                  at 11-19 against the whole run's, and the spread (the ~96 GB checkpoint goes
@@ -62,7 +63,7 @@
 # at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
-# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, EVAL8B, AC8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
@@ -131,9 +132,12 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     # device call's limit) ends that group too, else the ranks held the GPUs into the next run
     # ("CUDA-capable device(s) is/are busy"). In the background: bash runs a trap only between
     # commands, and wait is one.
+    # The trap runs once (a second TERM comes from timeout's group kill) and waits for the run's
+    # end (bounded: timeout sends KILL 15 s after the TERM), so the GPUs are free when this exits.
     timeout -k 15 "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1 &
     local pid=$! rc
-    trap 'kill -TERM -- -'$pid' 2>/dev/null; keep "'"$name"'.log"; exit 143' TERM INT
+    trap 'trap "" TERM INT; kill -TERM -- '$pid' -'$pid' 2>/dev/null; wait '$pid'
+          keep "'"$name"'.log"; exit 143' TERM INT
     wait $pid
     rc=$?
     trap - TERM INT
@@ -260,6 +264,9 @@ at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script'
     # rendezvous port; with no set, one after the other on the default GPUs
     local sets=($1) i=0 job
     shift
+    # A TERM to this script ends the runs of the background jobs too (each job's logged ends its
+    # own run), and waits for them.
+    [ ${#sets[@]} -gt 0 ] && trap 'trap "" TERM INT; kill -TERM $(jobs -p) 2>/dev/null; wait; exit 143' TERM INT
     for job in "$@"; do
         if [ ${#sets[@]} = 0 ]; then eval "$job"; continue; fi
         local port=$((29600 + 10 * i))
@@ -269,6 +276,7 @@ at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script'
         [ "$i" = 0 ] && wait
     done
     wait
+    trap - TERM INT
 }
 
 table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one call
@@ -388,7 +396,7 @@ throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 
 
 eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
     data8k || return
-    for e in false true; do
+    for e in ${EVAL8B:-false true}; do
         llama "e8-fp8eval-$e" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" \
             --trainer.max_steps 20 --trainer.log_every_n_steps 5 --trainer.val_check_interval 10 \
             --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 \
@@ -452,6 +460,7 @@ probe8b() {  # rank 0's live allocations at its first out-of-memory error, per A
     data8k || return
     local ac
     for ac in ${AC8B:-mlp}; do
+        rm -f "$OUT/p8-$ac.txt"  # (an earlier call's)
         MEMPROBE_OUT=$OUT/p8-$ac.txt PYTHON="$PYTHON scripts/memprobe.py" llama "p8-$ac" \
             fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps 2 \
             --trainer.log_every_n_steps 1 --model.activation_checkpointing "$ac"

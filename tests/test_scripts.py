@@ -315,3 +315,43 @@ def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
     assert not os.path.exists(f"/proc/{pids[0]}")
     assert "p8-mlp.log" in subprocess.run(["tar", "tf", str(archive)], capture_output=True,
                                           text=True).stdout
+
+
+def test_the_8b_evaluation_job_runs_the_fp8_eval_values_asked(tmp_path):
+    """multi_gpu.sh eval-8b: BF16 then FP8 evaluation by default; EVAL8B=true runs only FP8's."""
+    def evals(**env):
+        where = tmp_path / str(len(env))
+        where.mkdir()
+        calls = multi_gpu_calls(where, "eval-8b", "$*", **env)
+        return [a.split("--trainer.plugins.init_args.fp8_eval ")[1].split()[0]
+                for (a,) in calls if " fit " in a]
+
+    assert evals() == ["false", "true"]
+    assert evals(EVAL8B="true") == ["true"]
+
+
+def test_a_term_to_the_script_alone_ends_the_runs_it_started_at_once(tmp_path):
+    """multi_gpu.sh table-8b with SETS8B (two runs at once in background jobs), then a TERM to
+    the script's process only: it ends both runs before it exits."""
+    calls = tmp_path / "calls.txt"
+    script = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"), SETS8B="0,1 2,3",
+                 VARIANTS8B="bf16 fp8-delayed",
+                 PYTHON=str(stand_in_python(tmp_path, "$$|$*", pause="60")),
+                 DATA8K=str(prepared_corpus(tmp_path, "d8"))))
+    try:
+        for _ in range(100):  # both runs started
+            lines = calls.read_text().splitlines() if calls.exists() else []
+            runs = [line for line in lines if " fit " in line]
+            if len(runs) == 2:
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert len(runs) == 2
+        script.terminate()
+        assert script.wait(timeout=30) == 143
+        pids = [int(line.split("|")[0]) for line in runs]
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    finally:
+        script.kill()
