@@ -193,6 +193,9 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
 
     full = replace(run, activation_checkpointing="full", activation_checkpointing_every=1)
     levers = []
+    mlp = replace(run, activation_checkpointing="mlp", activation_checkpointing_every=1)
+    if run.activation_checkpointing == "none" and fits(mlp):  # first where enough: it recomputes
+        levers.append(("model.activation_checkpointing: mlp", mlp))  # less than full
     if full != run:
         levers.append(("model.activation_checkpointing: full", full))
     if run.batch_size > 1:
