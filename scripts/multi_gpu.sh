@@ -30,7 +30,9 @@
 #                  the same global batch (DEVICES8B x 1 x 8192), STEPS8B steps from one seed on
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
 #                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
-#                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather)
+#                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather,
+#                  and plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC (default mlp),
+#                  PLAIN8B_STEPS (default 60) on random tokens: speed only)
 #   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
 #                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
 #                  against training's (the reference run crashed there)
@@ -377,6 +379,15 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
 }
 
 t8() {  # t8 VARIANT: one run of the seed table (T8_ARGS: overrides for every run, e.g. fp8_eval)
+    if [ "$1" = plain-bf16 ]; then  # the same model in benchmarks/plain_pytorch.py's loop, speed only
+        echo "=== t8-plain-bf16: $DEVICES8B GPU(s)"
+        logged t8-plain-bf16 "$DEVICES8B" $PYTHON -m torch.distributed.run --nproc_per_node \
+            "$DEVICES8B" benchmarks/plain_pytorch.py --model llama3-8b ${LAYERS:+--n_layer $LAYERS} \
+            --batch_size 1 --strategy fsdp --activation_checkpointing "${PLAIN8B_AC:-mlp}" \
+            --steps "${PLAIN8B_STEPS:-60}" --warmup 20
+        tail -n1 "$OUT/t8-plain-bf16.log"
+        return
+    fi
     llama "t8-$1" "$1" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
         --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
         --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 ${T8_ARGS:-}
