@@ -86,6 +86,9 @@ def main() -> None:
         step_model = torch.compile(ddp)
     else:
         step_model = torch.compile(model)
+    # The step's peak, not the build's (under FSDP2 the model was built whole before sharding).
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
     # As GPTLightningModule.configure_optimizers: weight decay on matrices, not on embeddings,
     # norms or biases (the parameters as the strategy left them: FSDP2's are DTensor shards).
     groups = {True: [], False: []}

@@ -192,12 +192,14 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
                 f"trainer.num_nodes = {n})")
 
     full = replace(run, activation_checkpointing="full", activation_checkpointing_every=1)
-    levers = []
     mlp = replace(run, activation_checkpointing="mlp", activation_checkpointing_every=1)
-    if run.activation_checkpointing == "none" and fits(mlp):  # first where enough: it recomputes
-        levers.append(("model.activation_checkpointing: mlp", mlp))  # less than full
-    if full != run:
-        levers.append(("model.activation_checkpointing: full", full))
+    every = ", model.activation_checkpointing_every: 1" if run.activation_checkpointing_every != 1 \
+        else ""  # (the levers' estimates checkpoint every block)
+    levers = []
+    if run.activation_checkpointing != "full" and mlp != run and fits(mlp):
+        levers.append((f"model.activation_checkpointing: mlp{every}", mlp))  # first where enough:
+    if full != run:  # it recomputes less than full
+        levers.append((f"model.activation_checkpointing: full{every}", full))
     if run.batch_size > 1:
         levers.append((f"data.batch_size: {run.batch_size // 2}",
                        replace(run, batch_size=run.batch_size // 2)))

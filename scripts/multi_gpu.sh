@@ -32,7 +32,7 @@
 #                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
 #                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather,
 #                  and plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC (default mlp),
-#                  PLAIN8B_STEPS (default 60) on random tokens: speed only)
+#                  PLAIN8B_STEPS (default 60, at least 40) on random tokens: speed only)
 #   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
 #                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
 #                  against training's (the reference run crashed there)
@@ -65,7 +65,7 @@
 # at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
-# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, EVAL8B, AC8B, VARIANTS8B_TP, DATA8K (default
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.

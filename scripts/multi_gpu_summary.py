@@ -68,7 +68,8 @@ def main8b(out: Path) -> None:
     runs = {p.stem.removeprefix("t8-"): read(p) for p in sorted(out.glob("t8-*.log"))}
     script = plain(out / "t8-plain-bf16.log") if "plain-bf16" in runs else None
     if script:  # benchmarks/plain_pytorch.py's figures, in the monitor's terms (tok/s of the run)
-        runs["plain-bf16"].update(ms=script["ms_per_step"], mfu=f"{script['mfu_pct']}%",
+        mfu = "n/a" if script["mfu_pct"] is None else f"{script['mfu_pct']}%"
+        runs["plain-bf16"].update(ms=script["ms_per_step"], mfu=mfu,
                                   tok_s=script["tok_s_per_gpu"] * script["gpus"],
                                   gpus=script["gpus"], peak=script["peak_mem_gib"])
     if runs:
@@ -187,7 +188,12 @@ def plain(log: Path) -> Optional[dict]:
     """benchmarks/plain_pytorch.py's JSON line."""
     for line in reversed(log.read_text(errors="replace").splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:  # (another line that starts with a brace)
+                continue
+            if isinstance(result, dict) and result.get("script") == "plain_pytorch":
+                return result
     return None
 
 

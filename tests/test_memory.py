@@ -100,6 +100,11 @@ def test_without_checkpointing_the_cheaper_mlp_recompute_is_the_first_lever():
     problem = fit_problem(config, RunShape(1, 8192, shards=2, fp8=True,
                                            activation_checkpointing="mlp"), 60 * GIB, gpus=2)
     assert ": mlp" not in problem and "model.activation_checkpointing: full" in problem
+    # one block in two recomputing its MLPs: mlp on every block, said so (the lever's estimate)
+    problem = fit_problem(config, RunShape(1, 8192, shards=2, fp8=True, activation_checkpointing="mlp",
+                                           activation_checkpointing_every=2), 77.4 * GIB, gpus=2)
+    assert problem.split("levers: ")[1].startswith(
+        f"model.activation_checkpointing: mlp, model.activation_checkpointing_every: 1 -> {mlp:.1f} GiB")
 
 
 @pytest.mark.parametrize("name, run, peak_gib", [
