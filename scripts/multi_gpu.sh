@@ -29,10 +29,11 @@
 #   table-8b       #17's seed table: configs/llama3_8b_{bf16,fp8}.yaml (FSDP2) on DEVICES8B GPUs at
 #                  the same global batch (DEVICES8B x 1 x 8192), STEPS8B steps from one seed on
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
-#                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
-#                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather,
-#                  and plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC (default mlp),
-#                  PLAIN8B_STEPS (default 60, at least 40) on random tokens: speed only)
+#                  step; VARIANTS8B (default: all of bf16 plain-bf16 fp8-delayed fp8-current
+#                  fp8-block fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8
+#                  all-gather). plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC
+#                  (default mlp), PLAIN8B_STEPS (default 60, at least 40) on random tokens: speed
+#                  only, the BF16 baseline where it is faster than the package's bf16
 #   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
 #                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
 #                  against training's (the reference run crashed there)
@@ -372,7 +373,7 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
     # with DEVICES8B=2: half the wall time; the runs share the host)
     data8k || return
     local v jobs=()
-    for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
+    for v in ${VARIANTS8B:-bf16 plain-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
         jobs+=("t8 $v")
     done
     at_once "${SETS8B:-}" "${jobs[@]}"
