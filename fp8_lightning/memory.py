@@ -196,9 +196,10 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
     every = ", model.activation_checkpointing_every: 1" if run.activation_checkpointing_every != 1 \
         else ""  # (the levers' estimates checkpoint every block)
     levers = []
+    # mlp first where it is enough: it recomputes less than full
     if run.activation_checkpointing != "full" and mlp != run and fits(mlp):
-        levers.append((f"model.activation_checkpointing: mlp{every}", mlp))  # first where enough:
-    if full != run:  # it recomputes less than full
+        levers.append((f"model.activation_checkpointing: mlp{every}", mlp))
+    if full != run:
         levers.append((f"model.activation_checkpointing: full{every}", full))
     if run.batch_size > 1:
         levers.append((f"data.batch_size: {run.batch_size // 2}",
