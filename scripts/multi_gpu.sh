@@ -131,12 +131,11 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     local name=$1 devices=$2 start=$SECONDS
     shift 2
     echo "=== devices: $devices" > "$OUT/$name.log"
-    # timeout leads its own process group, the run's ranks in it: a TERM to this script (a
-    # device call's limit) ends that group too, else the ranks held the GPUs into the next run
-    # ("CUDA-capable device(s) is/are busy"). In the background: bash runs a trap only between
-    # commands, and wait is one.
-    # The trap runs once (a second TERM comes from timeout's group kill) and waits for the run's
-    # end (bounded: timeout sends KILL 15 s after the TERM), so the GPUs are free when this exits.
+    # timeout leads its own process group (the run's ranks in it): a TERM to this script (a
+    # device call's limit) must end that group too, or the ranks held the GPUs into the next run
+    # ("CUDA-capable device(s) is/are busy"). Run in the background, as bash runs a trap only
+    # between commands and wait is one; the trap runs once (timeout's group kill sends a second
+    # TERM) and waits for the run (KILL 15 s after the TERM), so the GPUs are free on return.
     timeout -k 15 "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1 &
     local pid=$! rc
     trap 'trap "" TERM INT; kill -TERM -- '$pid' -'$pid' 2>/dev/null; wait '$pid'
