@@ -49,6 +49,8 @@ def main() -> None:
                         "gradients all-reduced in BF16; fsdp-keep: blocks not resharded after "
                         "forward")
     args = parser.parse_args()
+    if args.n_layer is not None and args.n_layer < 1:
+        parser.error(f"--n_layer {args.n_layer}: a whole number >= 1 (default: the preset's)")
     if args.batch_size < 1 or args.warmup < 0 or args.steps < args.warmup + 20:
         parser.error("--batch_size >= 1, --warmup >= 0 and --steps >= warmup + 20 (two timed "
                      "windows of 10 steps)")
@@ -61,7 +63,7 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=device)
     torch.manual_seed(1337 + local)
     config = GPTConfig.from_name(args.model)
-    if args.n_layer:
+    if args.n_layer is not None:
         config = dataclasses.replace(config, n_layer=args.n_layer)
     T = args.seq_len or config.block_size
     with device:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 from tests._runs import ROOT, load_script
 
@@ -393,3 +394,14 @@ def test_the_8b_table_s_plain_script_row_runs_its_loop_and_sets_the_baseline_whe
     assert rows["bf16"][3] == "0.83x"
     assert rows["fp8-delayed"][3] == "1.25x"  # over the plain script's 1.000 s/it
     assert rows["fp8-delayed"][-1] == "+1.00%"  # val loss against the package's BF16
+
+
+def test_the_plain_script_refuses_a_depth_or_checkpointing_it_cannot_run():
+    """benchmarks/plain_pytorch.py --n_layer 0 or an unknown --activation_checkpointing: exit
+    2 with an error line naming the flag, before any GPU work."""
+    for bad in (["--n_layer", "0"], ["--activation_checkpointing", "some"]):
+        result = subprocess.run([sys.executable, "benchmarks/plain_pytorch.py", *bad], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert result.returncode == 2 and len(errors) == 1 and bad[0] in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
