@@ -270,6 +270,17 @@ def test_the_8b_seed_table_passes_t8_args_to_every_run(tmp_path):
     assert all(args.endswith("--trainer.plugins.init_args.fp8_eval true") for args in fits)
 
 
+def test_the_8b_seed_table_s_bf16ends_variants_keep_the_first_and_last_block_in_bf16(tmp_path):
+    """table-8b's -bf16ends variants: their recipe, with one BF16 block at each end."""
+    calls = multi_gpu_calls(tmp_path, "table-8b", "$*",
+                            VARIANTS8B="fp8-delayed-bf16ends fp8-current-bf16ends")
+    fits = [args for (args,) in calls if " fit " in args]
+    plugin = "--trainer.plugins.init_args"
+    assert [f"{plugin}.recipe delayed " in a for a in fits] == [True, False]
+    assert [f"{plugin}.recipe current " in a for a in fits] == [False, True]
+    assert all(f"{plugin}.bf16_first_layers 1 {plugin}.bf16_last_layers 1" in a for a in fits)
+
+
 def test_the_memory_probe_groups_live_blocks_by_where_they_were_made():
     """scripts/memprobe.py's summary of a memory snapshot: only live blocks count, grouped by
     the innermost telling frame and the package frame that called it, largest first."""
