@@ -40,8 +40,8 @@
 #                  against training's (the reference run crashed there)
 #   resume-8b      FP8 delayed: R8_TO (19) steps uninterrupted, twice (the run-to-run spread);
 #                  R8_AT (10) steps with a sharded checkpoint at the end, resumed from it; the
-#                  resumed losses after R8_AT against the whole run's, and the spread (the ~90 GB checkpoint goes
-#                  under R8_ROOT, default /tmp/multi_gpu_8b, and is deleted after)
+#                  resumed losses after R8_AT against the whole run's, and the spread (the ~90 GB
+#                  checkpoint goes under R8_ROOT, default /tmp/multi_gpu_8b, and is deleted after)
 #   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
 #                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
 #                  extrapolated from those two (time per step linear in the layers)
@@ -82,6 +82,11 @@ PRECISIONS=${PRECISIONS:-fp8 bf16}  # entries of precision_args
 GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
 STRATEGIES=${STRATEGIES:-ddp fsdp}
 case ${SINGLE:-1} in 0|1) ;; *) echo "error: SINGLE=$SINGLE; valid: 1 (the one-GPU runs too) or 0" >&2; exit 2 ;; esac
+R8_AT=${R8_AT:-10} R8_TO=${R8_TO:-19}
+if ! [[ $R8_AT =~ ^[0-9]+$ && $R8_TO =~ ^[0-9]+$ ]] || (( R8_AT < 1 || R8_AT >= R8_TO )); then
+    echo "error: R8_AT=$R8_AT R8_TO=$R8_TO; valid: whole numbers, 1 <= R8_AT < R8_TO" >&2
+    exit 2
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 PY_DATA_DEFER=1 . scripts/py_data.sh
@@ -417,7 +422,7 @@ eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
     done
 }
 
-resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-19 against one run's
+resume8b() {  # sharded checkpoint at step R8_AT, resumed to R8_TO: its losses against one run's
     data8k || return
     # On disk, not /dev/shm: a 96 GB checkpoint in RAM plus the ranks' own host memory got a rank
     # OOM-killed mid-save on a 256 GB host. R8_ROOT moves it.
@@ -425,39 +430,37 @@ resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-1
     mkdir -p "$root"
     free=$(df -BG --output=avail "$root" 2>/dev/null | tail -1 | tr -dc 0-9)
     echo "=== resume-8b: checkpoints under $root (${free:-?} GB free; ~12 bytes per parameter)"
-    cat > "$OUT/resume8b.yaml" <<'YAML'
+    # R8_AT / R8_TO: the checkpoint's step and the last one. One schedule for all four runs (the
+    # LR decays over R8_TO steps, not over each run's max_steps); later steps (e.g. 30 / 40, past
+    # the warm-up's loss swings) make a tighter check for the same cost.
+    cat > "$OUT/resume8b.yaml" <<YAML
 trainer:
   limit_val_batches: 0
   enable_progress_bar: false
   callbacks:  # throughput.yaml's, plus the checkpoint: the runs differ only by the resume
     - class_path: fp8_lightning.Checkpoint
       init_args:
-        every_n_train_steps: R8_AT
+        every_n_train_steps: $R8_AT
         save_top_k: 0
     - class_path: fp8_lightning.NaNGuard
     - class_path: fp8_lightning.TrainingMonitor
       init_args:
         sample_prompt: null
 YAML
-    # R8_AT / R8_TO (default 10 / 19): the checkpoint's step and the last one. One schedule for
-    # all four runs (the LR decays over R8_TO steps, not over each run's max_steps); later steps
-    # (e.g. 30 / 40, past the warm-up's loss swings) make a tighter check for the same cost.
-    local at=${R8_AT:-10} to=${R8_TO:-19}
-    local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps "$to")
+    local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps "$R8_TO")
     # Twice: no two runs are bitwise equal (atomics in the backward), and in these first steps
     # (loss 13 -> 5) a small difference grows; the resumed run is judged against that spread.
     local again
-    sed -i "s/R8_AT/$at/" "$OUT/resume8b.yaml"
     for again in whole again; do
         llama "r8-$again" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
-            --trainer.max_steps "$to"
+            --trainer.max_steps "$R8_TO"
     done
     llama r8-first fp8-delayed "$DEVICES8B" --config "$OUT/resume8b.yaml" "${args[@]}" \
-        --trainer.max_steps "$at" --trainer.default_root_dir "$root/r8-first"
+        --trainer.max_steps "$R8_AT" --trainer.default_root_dir "$root/r8-first"
     du -sh "$root/r8-first/checkpoints/last.ckpt" | tee "$OUT/r8-ckpt-size.txt"
     $PYTHON -m fp8_lightning checkpoints "$root/r8-first" | tee "$OUT/r8-checkpoints.txt"
     llama r8-resumed fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
-        --trainer.max_steps "$to" --ckpt_path "$root/r8-first/checkpoints/last.ckpt"
+        --trainer.max_steps "$R8_TO" --ckpt_path "$root/r8-first/checkpoints/last.ckpt"
     rm -rf "$root/r8-first"
 }
 

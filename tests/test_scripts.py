@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -442,9 +443,7 @@ def test_the_8b_resume_check_runs_at_the_steps_asked_and_sets_the_gap_against_th
     assert len(fits) == 4 and all("--model.lr_decay_steps 40" in a for a in fits)
     assert [a.split("--trainer.max_steps ")[1].split()[0] for a in fits] == ["40", "40", "30", "40"]
     assert f"--ckpt_path {root}/r8-first/checkpoints/last.ckpt" in fits[3]
-    import tarfile  # the job's files end in its log archive
-
-    with tarfile.open(tmp_path / "out" / "multi_gpu_logs.tgz") as logs:
+    with tarfile.open(tmp_path / "out" / "multi_gpu_logs.tgz") as logs:  # the job's files
         config = next(m for m in logs.getmembers() if m.name.endswith("resume8b.yaml"))
         assert "every_n_train_steps: 30" in logs.extractfile(config).read().decode()
 
@@ -462,3 +461,15 @@ def test_the_8b_resume_check_runs_at_the_steps_asked_and_sets_the_gap_against_th
             "loss gap at the first 5.00e-02, worst 5.00e-02, mean 4.50e-02") in text
     assert "two uninterrupted runs over the same steps: relative gap worst 1.00e-01, mean " \
         "1.00e-01 (the run-to-run spread)" in text
+
+
+@pytest.mark.parametrize("at, to", [("abc", "19"), ("0", "19"), ("19", "19"), ("30", "x")])
+def test_the_8b_resume_check_refuses_steps_it_cannot_run(at, to):
+    """R8_AT / R8_TO not whole numbers with 1 <= R8_AT < R8_TO: one error line, exit 2, before
+    any run or data preparation."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "resume-8b"],
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, R8_AT=at, R8_TO=to, PYTHON="false"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (f"error: R8_AT={at} R8_TO={to}; valid: whole numbers, "
+                                     "1 <= R8_AT < R8_TO")
