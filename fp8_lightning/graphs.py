@@ -20,7 +20,7 @@ fallback, another shape) the blocks run eagerly.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,47 @@ def fp8_state() -> tuple[bool, Any, Any]:
     if not FP8GlobalStateManager.is_fp8_enabled():
         return False, None, None
     return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
+
+
+def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
+            clone_grads: bool = True, sample_kwargs: Optional[tuple[dict, ...]] = None) -> list:
+    """Capture ``units`` (called in this order in the forward, the reverse in the backward) with
+    one sample call each: TE's ``make_graphed_callables`` (FP8 per the autocast state now) or,
+    without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own."""
+    fp8, recipe, group = fp8_state() if te else (False, None, None)
+    unit_call = type(units[0]).__call__
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # No collective in flight when the capture starts (the NCCL watchdog's queries of
+        # such work are what broke captures: pytorch/pytorch#104487).
+        torch.cuda.synchronize()
+    try:
+        # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
+        # re-casting a weight used twice in one forward, which a replay never does.
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                            enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
+            if te:
+                te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
+                                                   sample_kwargs=sample_kwargs,
+                                                   enabled=fp8, recipe=recipe,
+                                                   amax_reduction_group=group,
+                                                   clone_param_grads_on_return=clone_grads)
+            else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
+                torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
+    except BaseException:
+        if te:  # TE's capture flag stays set after a capture that raised, and eager TE
+            # backwards would then skip their amax/scale updates
+            from transformer_engine.pytorch.graph import set_capture_end
+
+            set_capture_end()
+        for unit in units:
+            unit.__dict__.pop("forward", None)
+        raise
+    finally:
+        # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
+        type(units[0]).__call__ = unit_call
+    # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls back
+    # to the original one in eval mode)
+    return [unit.__dict__["forward"] for unit in units]
 
 
 class BlockGraphs:
@@ -62,36 +103,7 @@ class BlockGraphs:
                         for _ in units)
         self.key, self.te, self.recipe = self.key_of(batch_shape, fp8), te, recipe
         self.units, self.n_blocks = units, len(model.blocks)
-        unit_call = type(units[0]).__call__
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # No collective in flight when the capture starts (the NCCL watchdog's queries of
-            # such work are what broke captures: pytorch/pytorch#104487).
-            torch.cuda.synchronize()
-        try:
-            # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
-            # re-casting a weight used twice in one forward, which a replay never does.
-            with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
-                if te:
-                    te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
-                                                       enabled=fp8, recipe=recipe,
-                                                       amax_reduction_group=group,
-                                                       clone_param_grads_on_return=clone_grads)
-                else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
-                    torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
-        except BaseException:
-            if te:  # TE's capture flag stays set after a capture that raised, and eager TE
-                # backwards would then skip their amax/scale updates
-                from transformer_engine.pytorch.graph import set_capture_end
-
-                set_capture_end()
-            raise
-        finally:
-            # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
-            type(units[0]).__call__ = unit_call
-        # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls
-        # back to the original one in eval mode); keep them, to switch per step.
-        self.graphed = [unit.__dict__["forward"] for unit in units]
+        self.graphed = capture(units, samples, te, clone_grads)
         self.active = True
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back on every switch.
@@ -181,3 +193,193 @@ def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
                  "x".join(map(str, batch_shape)), "FP8" if graphs.key[-1] else "BF16")
     graphs.use(graphs.matches(batch_shape))
     return graphs
+
+
+# ------------------------------------------------------------------------ any model's blocks
+class _Tensor:
+    """A recorded tensor argument: shape, dtype and ``requires_grad``; an integer tensor's value
+    too (positions and masks may index, so the capture uses the real ones; a float one is drawn
+    at random there, and every replay copies the call's own values in)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.key = (tuple(t.shape), t.dtype, t.requires_grad)
+        self.value = None if t.is_floating_point() else t.detach().clone()
+
+    def sample(self, device: torch.device) -> torch.Tensor:
+        if self.value is not None:
+            return self.value
+        shape, dtype, requires_grad = self.key
+        return torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+class _Call:
+    """One block's training call as recorded: its tensors (positional, and keyword tensors or
+    tuples of tensors) and its other keyword arguments (None, bools, numbers, strings), which the
+    capture fixes. ``unsupported``: why such a call cannot be captured (a positional argument or
+    a keyword of another kind, e.g. Hugging Face's key/value cache object)."""
+
+    CONSTANT = (type(None), bool, int, float, str)
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.unsupported = ""
+        self.args = tuple(self._record(a, f"positional argument {i}") for i, a in enumerate(args))
+        self.tensor_kwargs: dict[str, Any] = {}
+        self.fixed: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if isinstance(value, self.CONSTANT):
+                self.fixed[key] = value
+            else:
+                self.tensor_kwargs[key] = self._record(value, f"keyword {key!r}")
+
+    def _record(self, value: Any, what: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _Tensor(value)
+        if isinstance(value, (tuple, list)) and value and \
+                all(isinstance(v, torch.Tensor) for v in value):
+            return tuple(_Tensor(v) for v in value)
+        if not self.unsupported:
+            kind = type(value).__name__
+            hint = (" (Hugging Face: use_cache=False when training)" if kind.endswith("Cache")
+                    else "")
+            self.unsupported = f"its {what} is a {kind}{hint}"
+        return None
+
+    def matches(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Is this call the recorded one (same tensor layout, same fixed arguments)?"""
+        if len(args) != len(self.args) or \
+                kwargs.keys() != self.tensor_kwargs.keys() | self.fixed.keys():
+            return False
+        return all(_same(r, a) for r, a in zip(self.args, args)) and \
+            all(_same(r, kwargs[k]) for k, r in self.tensor_kwargs.items()) and \
+            all(kwargs[k] == v for k, v in self.fixed.items())
+
+    def sample(self, device: torch.device) -> tuple[tuple, dict[str, Any]]:
+        """Tensors for the capture, laid out as the call's."""
+        def make(r: Any) -> Any:
+            return tuple(x.sample(device) for x in r) if isinstance(r, tuple) else r.sample(device)
+
+        kwargs = {k: make(r) for k, r in self.tensor_kwargs.items()}
+        return tuple(make(r) for r in self.args), kwargs
+
+
+def _same(recorded: Any, value: Any) -> bool:
+    if isinstance(recorded, _Tensor):
+        return isinstance(value, torch.Tensor) and \
+            recorded.key == (tuple(value.shape), value.dtype, value.requires_grad)
+    return isinstance(value, (tuple, list)) and len(value) == len(recorded) and \
+        all(_same(r, v) for r, v in zip(recorded, value))
+
+
+class _BoundBlock(nn.Module):
+    """A block with its recorded call's fixed keyword arguments bound: what is captured. Its
+    parameters are the block's (the capture's input surface); it belongs to no model."""
+
+    def __init__(self, block: nn.Module, forward: Callable, fixed: dict[str, Any]) -> None:
+        super().__init__()
+        self.block = block
+        self._block_forward, self._fixed = forward, fixed
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._block_forward(*args, **kwargs, **self._fixed)
+
+
+class ModelBlockGraphs:
+    """CUDA graphs of another model's blocks (a user's module under ``FP8Precision`` on the TE
+    engine, whose swapped ``te.Linear`` calls cost more host time than GPU time): each block's
+    first training call is recorded, the blocks are captured at the next training step (a graph
+    per block, called in the model's own loop) and a block then replays its graph whenever its
+    call matches the recorded one in the FP8 state it was captured in; any other call (eval, a
+    BF16 fallback, another shape, under ``torch.compile``) runs the block's own forward.
+
+    ``status``: ``recording``, ``ready``, or why not (``off: <reason>``); ``replays``: the
+    blocks' forward replays so far."""
+
+    def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True) -> None:
+        self.blocks = list(blocks)
+        self.clone_grads = clone_grads
+        self.calls: dict[int, _Call] = {}
+        self.status = "recording"
+        self.fp8: Optional[bool] = None
+        self.replays = 0
+        self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
+                       for i, block in enumerate(self.blocks)]
+
+    def _recorder(self, i: int) -> Callable:
+        def record(block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if block.training and torch.is_grad_enabled() and i not in self.calls and \
+                    not torch.compiler.is_compiling():
+                self.calls[i] = _Call(args, kwargs)
+        return record
+
+    def _off(self, reason: str) -> None:
+        self.status = f"off: {reason}"
+        self.remove()
+        log.info("CUDA graphs of the model's blocks: %s", reason)
+
+    def remove(self) -> None:
+        """Stop recording; the blocks' own forward again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+
+    def before_step(self) -> None:
+        """At a training step's start: capture once every block's call has been recorded."""
+        if self.status != "recording" or len(self.calls) < len(self.blocks):
+            return
+        params = [p for block in self.blocks for p in block.parameters()]
+        from torch.distributed.tensor import DTensor
+
+        why = next((f"block {i}'s call cannot be replayed: {c.unsupported}"
+                    for i, c in self.calls.items() if c.unsupported), "")
+        if not why and (not params or params[0].device.type != "cuda"):
+            why = "CUDA graphs need a GPU"
+        if not why and any(isinstance(p, DTensor) for p in params):
+            why = "FSDP2's hooks run in Python, outside a replay"
+        if why:
+            self._off(why)
+            return
+        for handle in self._hooks:  # TE captures no module with hooks
+            handle.remove()
+        self._hooks.clear()
+        units = tuple(_BoundBlock(block, type(block).forward.__get__(block), self.calls[i].fixed)
+                      for i, block in enumerate(self.blocks))
+        samples = [self.calls[i].sample(params[0].device) for i in range(len(self.blocks))]
+        try:
+            graphed = capture(units, tuple(a for a, _ in samples), True, self.clone_grads,
+                              sample_kwargs=tuple(k for _, k in samples))
+        except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
+            message = (str(err).strip().splitlines() or [""])[0][:300]
+            self.status = f"off: capture failed ({type(err).__name__}: {message})"
+            log.warning("CUDA graphs of the model's blocks: capture failed (%s: %s); training "
+                        "without them", type(err).__name__, message)
+            return
+        self.fp8 = fp8_state()[0]
+        for i, (block, replay) in enumerate(zip(self.blocks, graphed)):
+            block.forward = self._dispatch(block, self.calls[i], replay)
+        self.status = "ready"
+        log.info("CUDA graphs: the model's %d blocks captured, a graph each (%s)",
+                 len(self.blocks), "FP8" if self.fp8 else "BF16")
+
+    def _dispatch(self, block: nn.Module, call: _Call, replay: Callable) -> Callable:
+        own = type(block).forward.__get__(block)
+        # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
+        # ran); a replay runs no Python, so the capture's flags are put back when replays resume.
+        flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
+        replaying = [True]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if block.training and torch.is_grad_enabled() and \
+                    not torch.compiler.is_compiling() and fp8_state()[0] == self.fp8 and \
+                    call.matches(args, kwargs):
+                if not replaying[0]:
+                    for module, flag in flags.items():
+                        module.fp8 = flag
+                    replaying[0] = True
+                self.replays += 1
+                return replay(*args, **{k: kwargs[k] for k in call.tensor_kwargs})
+            replaying[0] = False
+            return own(*args, **kwargs)
+
+        return forward

@@ -23,14 +23,15 @@ def example():
 class LitLlama(L.LightningModule):
     """A user's LightningModule around a Hugging Face Llama built from a local directory."""
 
-    def __init__(self, directory) -> None:
+    def __init__(self, directory, use_cache=None) -> None:
         super().__init__()
         import transformers
 
         self.model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        self.use_cache = use_cache  # None: the model config's (on)
 
     def training_step(self, batch, batch_idx):
-        logits = self.model(batch[:, :-1]).logits
+        logits = self.model(batch[:, :-1], use_cache=self.use_cache).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         self.log("train/loss", loss)
         return loss
@@ -39,7 +40,7 @@ class LitLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def build(arch, tmp_path):
+def build(arch, tmp_path, use_cache=None):
     """(a fresh LightningModule, the number of its GEMM modules the policy runs FP8)."""
     torch.manual_seed(0)
     if arch == "nanogpt":
@@ -52,14 +53,15 @@ def build(arch, tmp_path):
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
         ).save_pretrained(directory)
-    return LitLlama(str(directory)), 2 * 7  # q, k, v, o, gate, up, down a block
+    return LitLlama(str(directory), use_cache), 2 * 7  # q, k, v, o, gate, up, down a block
 
 
-def fit(module, steps, tmp_path, recipe, ckpt_path=None):
+def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
     data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
-    plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error")
+    plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error",
+                          cuda_graphs=cuda_graphs)
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
@@ -98,6 +100,32 @@ def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recip
         assert plugin2.scaling_restored == n_gemms
     for a, b in zip(module.model.state_dict().values(), fresh.model.state_dict().values()):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("arch", ["nanogpt", "llama"])
+def test_a_users_blocks_replay_as_cuda_graphs_and_train_as_they_do_eagerly(arch, tmp_path):
+    """TE delayed: each block of the user's model is captured at the second step and replayed
+    from then on; it trains to the loss of the same run without graphs (the same kernels), with
+    FP8 verified."""
+    losses = {}
+    for graphs in (False, True):
+        module, n_gemms = build(arch, tmp_path, use_cache=False)
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs)
+        losses[graphs] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) == n_gemms
+    assert plugin.graphs.status == "ready"
+    blocks = plugin.graphs.blocks
+    assert all("forward" in block.__dict__ for block in blocks)  # the replaying dispatch
+    assert plugin.graphs.replays == 29 * len(blocks)  # every step's blocks after the first
+    assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
+def test_a_hugging_face_model_with_its_cache_on_trains_eagerly_and_says_why(tmp_path):
+    module, _ = build("llama", tmp_path)  # use_cache: the config's (on), as a user leaves it
+    trainer, plugin = fit(module, 3, tmp_path, "delayed")
+    assert plugin.fp8_active and trainer.global_step == 3
+    assert plugin.graphs.status.startswith("off: block 0's call cannot be replayed")
+    assert "use_cache=False" in plugin.graphs.status
 
 
 def test_the_example_trains_fp8_under_the_plugin():

@@ -26,3 +26,73 @@ def test_one_unsharded_gpu_replays_the_stack_and_ddp_a_graph_per_block():
     assert graphs_status("cuda", 1, [], sharded=False) == (True, "one GPU")
     # DDP's all-reduce runs in autograd hooks between the blocks' backward replays
     assert graphs_status("cuda", 2, [], sharded=False) == (True, "DDP, a graph per block")
+
+
+# ------------------------------------------------------------- another model's blocks (recorded)
+import torch  # noqa: E402
+
+from fp8_lightning.graphs import ModelBlockGraphs, _Call  # noqa: E402
+from tests._runs import load_script  # noqa: E402
+
+
+class DynamicCache:  # what Hugging Face passes a decoder layer when use_cache is on
+    pass
+
+
+def llama_layer_call(T=16, use_cache=False):
+    """A Hugging Face decoder layer's training call: the residual stream, RoPE tables, integer
+    positions and fixed options."""
+    x = torch.randn(2, T, 32, requires_grad=True)
+    rope = (torch.randn(1, T, 8), torch.randn(1, T, 8))
+    return (x,), dict(attention_mask=None, position_ids=torch.arange(T)[None],
+                      position_embeddings=rope, use_cache=use_cache)
+
+
+def test_a_block_call_is_replayed_only_when_its_tensors_and_options_are_the_recorded_ones():
+    args, kwargs = llama_layer_call()
+    call = _Call(args, kwargs)
+    assert not call.unsupported
+    assert call.fixed == {"attention_mask": None, "use_cache": False}
+    assert set(call.tensor_kwargs) == {"position_ids", "position_embeddings"}
+    assert call.matches(*llama_layer_call())  # new values, same layout
+    assert not call.matches(*llama_layer_call(T=8))  # another sequence length
+    assert not call.matches(*llama_layer_call(use_cache=True))  # another option
+    args, kwargs = llama_layer_call()
+    assert not call.matches(args, {k: v for k, v in kwargs.items() if k != "use_cache"})
+    assert not call.matches((args[0].detach(),), kwargs)  # no gradient asked for the input
+    # the capture's inputs: the recorded integer positions, random floats of the same layout
+    (x,), sample = call.sample(torch.device("cpu"))
+    assert x.shape == (2, 16, 32) and x.requires_grad
+    assert torch.equal(sample["position_ids"], torch.arange(16)[None])
+    assert [t.shape for t in sample["position_embeddings"]] == [(1, 16, 8), (1, 16, 8)]
+
+
+def test_a_call_with_a_cache_object_cannot_be_replayed_and_says_what_to_change():
+    args, kwargs = llama_layer_call()
+    call = _Call(args, {**kwargs, "past_key_values": DynamicCache()})
+    assert call.unsupported == ("its keyword 'past_key_values' is a DynamicCache (Hugging Face: "
+                                "use_cache=False when training)")
+
+
+def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
+    own = load_script("examples/own_model.py")
+    torch.manual_seed(0)
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    idx = torch.randint(0, 128, (2, 16))
+    graphs = ModelBlockGraphs(model.transformer.h)
+    model.eval()
+    with torch.no_grad():
+        expected = model(idx)
+    assert graphs.calls == {} and graphs.status == "recording"  # evaluation is not recorded
+    model.train()
+    model(idx)
+    assert sorted(graphs.calls) == [0, 1, 2]
+    # the residual stream, which carries the embeddings' gradient
+    assert all(graphs.calls[i].args[0].key == ((2, 16, 32), torch.float32, True) for i in range(3))
+    graphs.before_step()
+    assert graphs.status == "off: CUDA graphs need a GPU"
+    assert all(not block._forward_pre_hooks and "forward" not in block.__dict__
+               for block in model.transformer.h)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(idx), expected)
