@@ -59,7 +59,8 @@ class FabricFP8Precision(FP8PrecisionBase):
     def forward_context(self) -> Any:
         model = self.model
         if model is None or model.training:
-            return self._training_context()
+            # each forward, not each step: one may still await its backward
+            return self._training_context(step_start=False)
         return self._context(fp8=self.fp8_eval)
 
     @override

@@ -20,6 +20,8 @@ fallback, another shape) the blocks run eagerly.
 from __future__ import annotations
 
 import logging
+import types
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -50,6 +52,14 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
         # No collective in flight when the capture starts (the NCCL watchdog's queries of
         # such work are what broke captures: pytorch/pytorch#104487).
         torch.cuda.synchronize()
+    # The warm-up passes on random inputs write the amax history and the gradients; TE puts
+    # the history back only after a capture that succeeded, so a failed one is undone here.
+    saved_fp8 = None
+    if te and fp8:
+        from transformer_engine.pytorch.graph import save_fp8_tensors
+
+        saved_fp8 = save_fp8_tensors(units, recipe)
+    saved_grads = [(p, p.grad) for unit in units for p in unit.parameters()]
     try:
         # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
         # re-casting a weight used twice in one forward, which a replay never does.
@@ -69,6 +79,12 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
             from transformer_engine.pytorch.graph import set_capture_end
 
             set_capture_end()
+            if saved_fp8 is not None:
+                from transformer_engine.pytorch.graph import restore_fp8_tensors
+
+                restore_fp8_tensors(units, saved_fp8)
+        for param, grad in saved_grads:
+            param.grad = grad
         for unit in units:
             unit.__dict__.pop("forward", None)
         raise
@@ -251,7 +267,7 @@ class _Call:
             return False
         return all(_same(r, a) for r, a in zip(self.args, args)) and \
             all(_same(r, kwargs[k]) for k, r in self.tensor_kwargs.items()) and \
-            all(kwargs[k] == v for k, v in self.fixed.items())
+            all(type(kwargs[k]) is type(v) and kwargs[k] == v for k, v in self.fixed.items())
 
     def sample(self, device: torch.device) -> tuple[tuple, dict[str, Any]]:
         """Tensors for the capture, laid out as the call's."""
@@ -287,9 +303,11 @@ class ModelBlockGraphs:
     """CUDA graphs of another model's blocks (a user's module under ``FP8Precision`` on the TE
     engine, whose swapped ``te.Linear`` calls cost more host time than GPU time): each block's
     first training call is recorded, the blocks are captured at the next training step (a graph
-    per block, called in the model's own loop) and a block then replays its graph whenever its
-    call matches the recorded one in the FP8 state it was captured in; any other call (eval, a
-    BF16 fallback, another shape, under ``torch.compile``) runs the block's own forward.
+    per block, in the order the model called them) and a block then replays its graph whenever
+    its call matches the recorded one in the FP8 state it was captured in; any other call (eval,
+    a BF16 fallback, another shape, under ``torch.compile``, a second call before the first's
+    backward) runs the block's own forward. Parameters moved or (un)frozen since the capture:
+    recorded and captured again.
 
     ``status``: ``recording``, ``ready``, or why not (``off: <reason>``); ``replays``: the
     blocks' forward replays so far."""
@@ -297,10 +315,20 @@ class ModelBlockGraphs:
     def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True) -> None:
         self.blocks = list(blocks)
         self.clone_grads = clone_grads
-        self.calls: dict[int, _Call] = {}
-        self.status = "recording"
-        self.fp8: Optional[bool] = None
         self.replays = 0
+        self.fp8: Optional[bool] = None
+        self._hooks: list[Any] = []
+        self._units: tuple[nn.Module, ...] = ()
+        self._fingerprint: tuple = ()
+        self.calls: dict[int, _Call] = {}
+        self.order: list[int] = []
+        if len({id(b) for b in self.blocks}) != len(self.blocks):
+            self.status = "off: a block appears twice in the model's list"
+            return
+        self._record()
+
+    def _record(self) -> None:
+        self.status, self.calls, self.order = "recording", {}, []
         self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
                        for i, block in enumerate(self.blocks)]
 
@@ -309,28 +337,49 @@ class ModelBlockGraphs:
             if block.training and torch.is_grad_enabled() and i not in self.calls and \
                     not torch.compiler.is_compiling():
                 self.calls[i] = _Call(args, kwargs)
+                self.order.append(i)
         return record
 
-    def _off(self, reason: str) -> None:
-        self.status = f"off: {reason}"
-        self.remove()
-        log.info("CUDA graphs of the model's blocks: %s", reason)
+    def _params(self) -> list[nn.Parameter]:
+        return [p for block in self.blocks for p in block.parameters()]
+
+    def _now(self) -> tuple:
+        """What a capture depends on: where each parameter lives and whether it trains."""
+        return tuple((p.data_ptr(), p.requires_grad) for p in self._params())
 
     def remove(self) -> None:
-        """Stop recording; the blocks' own forward again."""
+        """No recording, no graph: the blocks' own forward again, the graphs' memory freed."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         for block in self.blocks:
+            _REPLAY.pop(block, None)
             block.__dict__.pop("forward", None)
+        for unit in self._units:  # TE's graphed callables hold the graphs in these closures
+            reset = unit.__dict__.pop("reset", None)
+            if reset is not None:
+                reset()
+            unit.__dict__.pop("backward_dw", None)
+        self._units = ()
 
-    def before_step(self) -> None:
-        """At a training step's start: capture once every block's call has been recorded."""
+    def before_step(self, step_start: bool = True) -> None:
+        """Before a training forward (``step_start``: a new training step, no earlier forward
+        awaits its backward): capture once every block's call has been recorded."""
+        if self.status == "ready":
+            if step_start:
+                for block in self.blocks:
+                    _REPLAY[block].in_flight = False
+            if self._now() == self._fingerprint:
+                return
+            log.info("CUDA graphs of the model's blocks: its parameters moved or changed "
+                     "requires_grad since the capture; recording its calls again")
+            self.remove()
+            self._record()
         if self.status != "recording" or len(self.calls) < len(self.blocks):
             return
-        params = [p for block in self.blocks for p in block.parameters()]
         from torch.distributed.tensor import DTensor
 
+        params = self._params()
         why = next((f"block {i}'s call cannot be replayed: {c.unsupported}"
                     for i, c in self.calls.items() if c.unsupported), "")
         if not why and (not params or params[0].device.type != "cuda"):
@@ -338,15 +387,18 @@ class ModelBlockGraphs:
         if not why and any(isinstance(p, DTensor) for p in params):
             why = "FSDP2's hooks run in Python, outside a replay"
         if why:
-            self._off(why)
+            self.remove()
+            self.status = f"off: {why}"
+            log.info("CUDA graphs of the model's blocks: off (%s)", why)
             return
         for handle in self._hooks:  # TE captures no module with hooks
             handle.remove()
         self._hooks.clear()
-        units = tuple(_BoundBlock(block, type(block).forward.__get__(block), self.calls[i].fixed)
-                      for i, block in enumerate(self.blocks))
-        samples = [self.calls[i].sample(params[0].device) for i in range(len(self.blocks))]
         try:
+            blocks = [self.blocks[i] for i in self.order]  # the replays' order, and the pool's
+            units = tuple(_BoundBlock(b, type(b).forward.__get__(b), self.calls[i].fixed)
+                          for i, b in zip(self.order, blocks))
+            samples = [self.calls[i].sample(params[0].device) for i in self.order]
             graphed = capture(units, tuple(a for a, _ in samples), True, self.clone_grads,
                               sample_kwargs=tuple(k for _, k in samples))
         except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
@@ -355,31 +407,67 @@ class ModelBlockGraphs:
             log.warning("CUDA graphs of the model's blocks: capture failed (%s: %s); training "
                         "without them", type(err).__name__, message)
             return
-        self.fp8 = fp8_state()[0]
-        for i, (block, replay) in enumerate(zip(self.blocks, graphed)):
-            block.forward = self._dispatch(block, self.calls[i], replay)
+        self.fp8, self._units, self._fingerprint = fp8_state()[0], units, self._now()
+        for i, block, replay in zip(self.order, blocks, graphed):
+            _REPLAY[block] = _Replay(self, self.calls[i], replay, block)
+            block.forward = types.MethodType(_captured_forward, block)
         self.status = "ready"
         log.info("CUDA graphs: the model's %d blocks captured, a graph each (%s)",
                  len(self.blocks), "FP8" if self.fp8 else "BF16")
 
-    def _dispatch(self, block: nn.Module, call: _Call, replay: Callable) -> Callable:
-        own = type(block).forward.__get__(block)
+
+class _Replay:
+    """One captured block's graph and when it may replay."""
+
+    def __init__(self, owner: ModelBlockGraphs, call: _Call, graphed: Callable,
+                 block: nn.Module) -> None:
+        self.owner, self.call, self.graphed = owner, call, graphed
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back when replays resume.
-        flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
-        replaying = [True]
+        self.flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
+        self.replaying = True
+        # a replay's activations live in the graph's static buffers until its backward has run:
+        # another call before then (two forwards, one backward) runs eagerly
+        self.in_flight = False
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if block.training and torch.is_grad_enabled() and \
-                    not torch.compiler.is_compiling() and fp8_state()[0] == self.fp8 and \
-                    call.matches(args, kwargs):
-                if not replaying[0]:
-                    for module, flag in flags.items():
-                        module.fp8 = flag
-                    replaying[0] = True
-                self.replays += 1
-                return replay(*args, **{k: kwargs[k] for k in call.tensor_kwargs})
-            replaying[0] = False
-            return own(*args, **kwargs)
+    def allows(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+        return block.training and torch.is_grad_enabled() and not self.in_flight and \
+            not torch.compiler.is_compiling() and fp8_state()[0] == self.owner.fp8 and \
+            self.call.matches(args, kwargs)
 
-        return forward
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if not self.replaying:
+            for module, flag in self.flags.items():
+                module.fp8 = flag
+            self.replaying = True
+        self.owner.replays += 1
+        out = self.graphed(*args, **{k: kwargs[k] for k in self.call.tensor_kwargs})
+        node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:
+            self.in_flight = True
+            node.register_hook(self._backward_done)
+        return out
+
+    def _backward_done(self, *_: Any) -> None:
+        self.in_flight = False
+
+
+# Each captured block's replay, by the block itself: a copy of the block (``copy.deepcopy`` for
+# an EMA, pickling) is no key, so it runs its own forward with its own weights.
+_REPLAY: "weakref.WeakKeyDictionary[nn.Module, _Replay]" = weakref.WeakKeyDictionary()
+
+
+def _captured_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A captured block's ``forward`` (bound to it): the graph's replay where the call allows,
+    else the block's own forward."""
+    replay = _REPLAY.get(block)
+    if replay is not None:
+        if replay.allows(block, args, kwargs):
+            return replay(args, kwargs)
+        replay.replaying = False
+    return type(block).forward(block, *args, **kwargs)
+
+
+# pickle stores a bound method as getattr(block, __name__): the unpickled block's own forward
+_captured_forward.__name__ = _captured_forward.__qualname__ = "forward"

@@ -120,6 +120,29 @@ def test_a_users_blocks_replay_as_cuda_graphs_and_train_as_they_do_eagerly(arch,
     assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
 
 
+def test_two_forwards_before_one_backward_replay_once_and_train_as_without_graphs(tmp_path):
+    """A training step that calls the model twice before its backward (a batch in two halves):
+    each block's first call replays, the second runs eagerly (the graph's buffers still hold the
+    first call's activations), and the run trains to the loss it reaches without graphs."""
+    own = example()
+
+    class LitTwice(own.LitNanoGPT):
+        def training_step(self, batch, batch_idx):
+            loss = sum(F.cross_entropy(self.model(half[:, :-1]).flatten(0, 1).float(),
+                                       half[:, 1:].flatten()) for half in batch.chunk(2)) / 2
+            self.log("train/loss", loss)
+            return loss
+
+    losses = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        module = LitTwice(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_embd=128)
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs)
+        losses[graphs] = float(trainer.callback_metrics["train/loss"])
+    assert plugin.graphs.status == "ready" and plugin.graphs.replays == 29 * 4
+    assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
 def test_a_hugging_face_model_with_its_cache_on_trains_eagerly_and_says_why(tmp_path):
     module, _ = build("llama", tmp_path)  # use_cache: the config's (on), as a user leaves it
     trainer, plugin = fit(module, 3, tmp_path, "delayed")

@@ -96,3 +96,41 @@ def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(idx), expected)
+
+
+class TinyBlock(torch.nn.Module):  # importable, so that pickle can find it
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+def test_a_copy_of_a_captured_block_runs_its_own_forward_with_its_own_weights():
+    """A captured block's forward is bound to it and finds its replay by the block itself: a deep
+    copy (an EMA of the model) or an unpickled block is no key and runs the class's forward."""
+    import copy
+    import pickle
+
+    from fp8_lightning.graphs import _REPLAY, _captured_forward
+
+    class Replayed:  # stands in for a captured graph (which needs a GPU): every call replays
+        def allows(self, *_):
+            return True
+
+        def __call__(self, args, kwargs):
+            return "replayed"
+
+    torch.manual_seed(0)
+    block = TinyBlock()
+    x = torch.randn(2, 16, 32)
+    block.forward = _captured_forward.__get__(block)
+    _REPLAY[block] = Replayed()
+    assert block(x) == "replayed"
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        next(twin.parameters()).add_(1.0)  # the copy's weights are its own
+    assert torch.equal(twin(x), type(twin).forward(twin, x))
+    assert pickle.loads(pickle.dumps(block))(x).shape == x.shape
+    del _REPLAY[block]

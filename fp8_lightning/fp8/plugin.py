@@ -313,7 +313,8 @@ class FP8PrecisionBase(FabricPrecision):
         from ..graphs import ModelBlockGraphs
         from ..model import GPT
 
-        if self.graphs is not None:  # set up again (fit, then validate)
+        if self.graphs is not None:  # set up again (fit, then validate): the same model's
+            # graphs stay (they record again if its parameters moved meanwhile)
             if self.graphs.blocks and self.graphs.blocks[0] in set(gpt.modules()):
                 return
             self.graphs.remove()
@@ -349,11 +350,12 @@ class FP8PrecisionBase(FabricPrecision):
             yield
 
     @contextmanager
-    def _training_context(self) -> Generator[None, None, None]:
-        """A training forward in FP8; after the first FP8 step, checks that FP8 really ran."""
+    def _training_context(self, step_start: bool = True) -> Generator[None, None, None]:
+        """A training forward in FP8 (``step_start``: the Trainer's training step, not one of
+        Fabric's forwards); after the first FP8 step, checks that FP8 really ran."""
         with self._context(fp8=True):
             if self.graphs is not None:
-                self.graphs.before_step()
+                self.graphs.before_step(step_start)
             yield
         if self._verify_pending and self.fp8_active:
             self._verify_fp8_ran()
