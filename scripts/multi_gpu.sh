@@ -31,9 +31,10 @@
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
 #                  step; VARIANTS8B (default: all of bf16 plain-bf16 fp8-delayed fp8-current
 #                  fp8-block fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8
-#                  all-gather, and fp8-delayed-bf16ends). plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC
-#                  (default mlp), PLAIN8B_STEPS (default 60, at least 40) on random tokens: speed
-#                  only, the BF16 baseline where it is faster than the package's bf16
+#                  all-gather, and fp8-delayed-bf16ends). plain-bf16: benchmarks/plain_pytorch.py,
+#                  FSDP2, PLAIN8B_AC (default mlp), PLAIN8B_STEPS (default 60, at least 40) on
+#                  random tokens: speed only, the BF16 baseline where it is faster than the
+#                  package's bf16
 #   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
 #                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
 #                  against training's (the reference run crashed there)
@@ -359,7 +360,8 @@ llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
         fp8-delayed)          ;;
         fp8-current|fp8-block) extra=("$plugin.recipe" "${variant#fp8-}") ;;
         fp8-current-bf16ends|fp8-delayed-bf16ends)
-            extra=("$plugin.recipe" "$(cut -d- -f2 <<< "$variant")" "$plugin.bf16_first_layers" 1
+            local recipe=${variant#fp8-}
+            extra=("$plugin.recipe" "${recipe%-bf16ends}" "$plugin.bf16_first_layers" 1
                    "$plugin.bf16_last_layers" 1) ;;
         fp8-tensorwise)       extra=("$plugin.recipe" tensorwise --model.attention sdpa) ;;
         fp8-tensorwise-ag)    extra=("$plugin.recipe" tensorwise --model.attention sdpa
