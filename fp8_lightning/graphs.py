@@ -96,6 +96,16 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
     return [unit.__dict__["forward"] for unit in units]
 
 
+def release(units: Sequence[nn.Module]) -> None:
+    """Free captured units' graphs and memory pool: TE's graphed callables hold them in the
+    ``reset`` and ``backward_dw`` closures it set on each unit."""
+    for unit in units:
+        reset = unit.__dict__.pop("reset", None)
+        if reset is not None:
+            reset()
+        unit.__dict__.pop("backward_dw", None)
+
+
 class BlockGraphs:
     """The captured graphs of a model's blocks, and the switch between them and eager.
 
@@ -148,11 +158,7 @@ class BlockGraphs:
         """The blocks' own forward again, and the graphs and their memory pool freed (TE's
         graphed callables hold them in ``reset`` and ``backward_dw`` closures as well)."""
         self.use(False)
-        for unit in self.units:
-            reset = unit.__dict__.pop("reset", None)
-            if reset is not None:
-                reset()
-            unit.__dict__.pop("backward_dw", None)
+        release(self.units)
         self.graphed, self.fp8_flags = [], {}
 
     def matches(self, batch_shape: tuple[int, int]) -> bool:
@@ -355,11 +361,7 @@ class ModelBlockGraphs:
         for block in self.blocks:
             _REPLAY.pop(block, None)
             block.__dict__.pop("forward", None)
-        for unit in self._units:  # TE's graphed callables hold the graphs in these closures
-            reset = unit.__dict__.pop("reset", None)
-            if reset is not None:
-                reset()
-            unit.__dict__.pop("backward_dw", None)
+        release(self._units)
         self._units = ()
 
     def before_step(self, step_start: bool = True) -> None:
