@@ -73,11 +73,18 @@ def main() -> None:
         print("error: usage: memprobe.py -m MODULE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     out = os.environ.get("MEMPROBE_OUT", "memprobe.txt")
+    fraction = os.environ.get("MEMPROBE_FRACTION")
+    try:
+        share = float(fraction) if fraction else None
+    except ValueError:
+        share = -1.0
+    if share is not None and not 0 < share <= 1:
+        print(f"error: MEMPROBE_FRACTION={fraction}; valid: a number in (0, 1]", file=sys.stderr)
+        sys.exit(2)
     if torch.cuda.is_available():
         torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-        fraction = os.environ.get("MEMPROBE_FRACTION")
-        if fraction:
-            torch.cuda.set_per_process_memory_fraction(float(fraction))
+        if share is not None:
+            torch.cuda.set_per_process_memory_fraction(share)
         written = []
 
         def on_oom(device: int, alloc: int, device_alloc: int, device_free: int) -> None:

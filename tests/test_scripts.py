@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests._runs import ROOT, load_script
 
 
@@ -304,6 +306,16 @@ def test_the_memory_probe_groups_live_blocks_by_where_they_were_made():
     assert lines[2].split() == ["2.000", "2", "transformer_engine:pytorch/module/layernorm_mlp.py:500",
                                 "forward", "<-", "fp8_lightning:model.py:150", "residual"]
     assert lines[3].split()[:3] == ["0.500", "1", "fp8_lightning:model.py:300"]
+
+
+@pytest.mark.parametrize("fraction", ["abc", "0", "1.5"])
+def test_the_memory_probe_refuses_a_share_of_the_gpu_it_cannot_take(fraction):
+    result = subprocess.run([sys.executable, "scripts/memprobe.py", "-m", "json.tool", "--help"],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "MEMPROBE_FRACTION": fraction})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"error: MEMPROBE_FRACTION={fraction}; valid: a number in "
+                                     "(0, 1]")
 
 
 def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
