@@ -40,8 +40,8 @@
 #                  against training's (the reference run crashed there)
 #   resume-8b      FP8 delayed: 19 steps uninterrupted, twice (the run-to-run spread); 10 steps
 #                  with a sharded checkpoint at the end, resumed from it to 19; the resumed losses
-#                  at 11-19 against the whole run's, and the spread (the ~96 GB checkpoint goes
-#                  to /dev/shm where it has room, else under OUT)
+#                  at 11-19 against the whole run's, and the spread (the ~90 GB checkpoint goes
+#                  under R8_ROOT, default /tmp/multi_gpu_8b, and is deleted after)
 #   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
 #                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
 #                  extrapolated from those two (time per step linear in the layers)
@@ -67,7 +67,7 @@
 # at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
-# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, DATA8K (default
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
@@ -419,9 +419,9 @@ eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
 
 resume8b() {  # sharded checkpoint at step 10, resumed to 19: its losses at 11-19 against one run's
     data8k || return
-    local root=$OUT free
-    free=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
-    [ "${free:-0}" -gt 110 ] && root=/dev/shm/multi_gpu_8b
+    # On disk, not /dev/shm: a 96 GB checkpoint in RAM plus the ranks' own host memory got a rank
+    # OOM-killed mid-save on a 256 GB host. R8_ROOT moves it.
+    local root=${R8_ROOT:-/tmp/multi_gpu_8b} free
     mkdir -p "$root"
     free=$(df -BG --output=avail "$root" 2>/dev/null | tail -1 | tr -dc 0-9)
     echo "=== resume-8b: checkpoints under $root (${free:-?} GB free; ~12 bytes per parameter)"
