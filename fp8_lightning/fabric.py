@@ -64,6 +64,13 @@ class FabricFP8Precision(FP8PrecisionBase):
         return self._context(fp8=self.fp8_eval)
 
     @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self.graphs is not None:  # Fabric's forwards do not say when a step starts
+            self.graphs.step_end()
+        return out
+
+    @override
     def convert_input(self, data: Any) -> Any:
         return _cast_floating(data, torch.bfloat16) if self.precision == "bf16-true" else data
 

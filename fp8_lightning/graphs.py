@@ -19,15 +19,17 @@ fallback, another shape) the blocks run eagerly.
 
 from __future__ import annotations
 
+import functools
+import gc
+import inspect
 import logging
 import types
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .te_support import te_module
+from .te_support import te_available, te_module
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,30 @@ def fp8_state() -> tuple[bool, Any, Any]:
     if not FP8GlobalStateManager.is_fp8_enabled():
         return False, None, None
     return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
+
+
+def fp8_now() -> bool:
+    """Is TE's FP8 autocast on here (False without TE)?"""
+    return te_available() and fp8_state()[0]
+
+
+def te_debug_on() -> bool:
+    """Is TE's debug API (FP8Stats) on? Its hooks run in Python, which a replay skips."""
+    if not te_available():
+        return False
+    try:
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    except ImportError:
+        return False
+    return bool(TEDebugState.debug_enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_clones_grads_on_request() -> bool:
+    """TE's make_graphed_callables takes clone_param_grads_on_return from 2.19 on (2.18 is the
+    floor; before 2.19 it always clones)."""
+    return "clone_param_grads_on_return" in \
+        inspect.signature(te_module().make_graphed_callables).parameters
 
 
 def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
@@ -60,6 +86,12 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
 
         saved_fp8 = save_fp8_tensors(units, recipe)
     saved_grads = [(p, p.grad) for unit in units for p in unit.parameters()]
+    # A capture that raises leaves state behind: TE turns the garbage collector off for the
+    # capture and on again only after one that succeeded, and torch.cuda.graph does not put the
+    # capture's side stream back when capture_end raises.
+    gc_was_on, stream = gc.isenabled(), torch.cuda.current_stream()
+    te_kwargs = (dict(clone_param_grads_on_return=clone_grads)
+                 if te and _te_clones_grads_on_request() else {})
     try:
         # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
         # re-casting a weight used twice in one forward, which a replay never does.
@@ -69,11 +101,11 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
                 te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
                                                    sample_kwargs=sample_kwargs,
                                                    enabled=fp8, recipe=recipe,
-                                                   amax_reduction_group=group,
-                                                   clone_param_grads_on_return=clone_grads)
+                                                   amax_reduction_group=group, **te_kwargs)
             else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
                 torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
     except BaseException:
+        torch.cuda.set_stream(stream)
         if te:  # TE's capture flag stays set after a capture that raised, and eager TE
             # backwards would then skip their amax/scale updates
             from transformer_engine.pytorch.graph import set_capture_end
@@ -91,6 +123,8 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
     finally:
         # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
         type(units[0]).__call__ = unit_call
+        if gc_was_on:
+            gc.enable()
     # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls back
     # to the original one in eval mode)
     return [unit.__dict__["forward"] for unit in units]
@@ -243,6 +277,7 @@ class _Call:
     CONSTANT = (type(None), bool, int, float, str)
 
     def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.fp8 = fp8_now()  # the FP8 state the call ran in (a BF16-policy block's: off)
         self.unsupported = ""
         self.args = tuple(self._record(a, f"positional argument {i}") for i, a in enumerate(args))
         self.tensor_kwargs: dict[str, Any] = {}
@@ -313,10 +348,13 @@ class ModelBlockGraphs:
     its call matches the recorded one in the FP8 state it was captured in; any other call (eval,
     a BF16 fallback, another shape, under ``torch.compile``, a second call before the first's
     backward) runs the block's own forward. Parameters moved or (un)frozen since the capture:
-    recorded and captured again.
+    recorded and captured again. A block whose recorded call ran in another FP8 state than the
+    capture's (a block the layer policy keeps BF16) is not captured.
 
     ``status``: ``recording``, ``ready``, or why not (``off: <reason>``); ``replays``: the
-    blocks' forward replays so far."""
+    blocks' forward replays so far. :meth:`remove` (the plugin's teardown) frees the graphs."""
+
+    WAIT = 3  # training forwards to wait for every block's first call before giving up
 
     def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True) -> None:
         self.blocks = list(blocks)
@@ -326,6 +364,8 @@ class ModelBlockGraphs:
         self._hooks: list[Any] = []
         self._units: tuple[nn.Module, ...] = ()
         self._fingerprint: tuple = ()
+        self._waited = 0
+        self._told_eager = False
         self.calls: dict[int, _Call] = {}
         self.order: list[int] = []
         if len({id(b) for b in self.blocks}) != len(self.blocks):
@@ -334,7 +374,7 @@ class ModelBlockGraphs:
         self._record()
 
     def _record(self) -> None:
-        self.status, self.calls, self.order = "recording", {}, []
+        self.status, self.calls, self.order, self._waited = "recording", {}, [], 0
         self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
                        for i, block in enumerate(self.blocks)]
 
@@ -359,48 +399,83 @@ class ModelBlockGraphs:
             handle.remove()
         self._hooks.clear()
         for block in self.blocks:
-            _REPLAY.pop(block, None)
-            block.__dict__.pop("forward", None)
-        release(self._units)
-        self._units = ()
+            if block.__dict__.pop(_SLOT, None) is not None:
+                block.__dict__.pop("forward", None)
+        if self._units:
+            release(self._units)
+            self._units = ()
+            gc.collect()  # the graphed callables' closures hold each other: free their pools now
+
+    @property
+    def live(self) -> bool:
+        """Recording or captured (not removed)."""
+        return bool(self._hooks or self._units)
+
+    def _off(self, why: str) -> None:
+        self.remove()
+        self.status = f"off: {why}"
+        log.info("CUDA graphs of the model's blocks: off (%s)", why)
+
+    def step_end(self) -> None:
+        """After an optimizer step: every replay's activations are spent (backpropagated or
+        dropped), so the next call of each block may replay again."""
+        for block in self.blocks:
+            replay = block.__dict__.get(_SLOT)
+            if replay is not None:
+                replay.in_flight = False
 
     def before_step(self, step_start: bool = True) -> None:
         """Before a training forward (``step_start``: a new training step, no earlier forward
         awaits its backward): capture once every block's call has been recorded."""
         if self.status == "ready":
             if step_start:
-                for block in self.blocks:
-                    _REPLAY[block].in_flight = False
+                self.step_end()
             if self._now() == self._fingerprint:
                 return
             log.info("CUDA graphs of the model's blocks: its parameters moved or changed "
                      "requires_grad since the capture; recording its calls again")
             self.remove()
             self._record()
-        if self.status != "recording" or len(self.calls) < len(self.blocks):
+        if self.status != "recording":
+            return
+        if len(self.calls) < len(self.blocks):
+            self._waited += 1
+            if self._waited > self.WAIT:
+                missing = [i for i in range(len(self.blocks)) if i not in self.calls]
+                self._off("no block was called outside torch.compile in a training forward"
+                          if not self.calls else
+                          f"block(s) {', '.join(map(str, missing[:8]))} not called in "
+                          f"{self.WAIT} training forwards")
             return
         from torch.distributed.tensor import DTensor
 
         params = self._params()
+        fp8 = fp8_now()
+        order = [i for i in self.order if self.calls[i].fp8 == fp8]  # the others run eagerly
         why = next((f"block {i}'s call cannot be replayed: {c.unsupported}"
                     for i, c in self.calls.items() if c.unsupported), "")
+        why = why or next((f"block {i} has a forward of its own on the instance (a wrapper "
+                           "such as accelerate's hooks), which a capture would skip"
+                           for i, b in enumerate(self.blocks) if "forward" in b.__dict__), "")
         if not why and (not params or params[0].device.type != "cuda"):
             why = "CUDA graphs need a GPU"
         if not why and any(isinstance(p, DTensor) for p in params):
             why = "FSDP2's hooks run in Python, outside a replay"
+        if not why and te_debug_on():
+            why = "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
+        if not why and not order:
+            why = "no block ran in the FP8 state of the training step"
         if why:
-            self.remove()
-            self.status = f"off: {why}"
-            log.info("CUDA graphs of the model's blocks: off (%s)", why)
+            self._off(why)
             return
         for handle in self._hooks:  # TE captures no module with hooks
             handle.remove()
         self._hooks.clear()
         try:
-            blocks = [self.blocks[i] for i in self.order]  # the replays' order, and the pool's
+            blocks = [self.blocks[i] for i in order]  # the replays' order, and the pool's
             units = tuple(_BoundBlock(b, type(b).forward.__get__(b), self.calls[i].fixed)
-                          for i, b in zip(self.order, blocks))
-            samples = [self.calls[i].sample(params[0].device) for i in self.order]
+                          for i, b in zip(order, blocks))
+            samples = [self.calls[i].sample(params[0].device) for i in order]
             graphed = capture(units, tuple(a for a, _ in samples), True, self.clone_grads,
                               sample_kwargs=tuple(k for _, k in samples))
         except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
@@ -409,33 +484,63 @@ class ModelBlockGraphs:
             log.warning("CUDA graphs of the model's blocks: capture failed (%s: %s); training "
                         "without them", type(err).__name__, message)
             return
-        self.fp8, self._units, self._fingerprint = fp8_state()[0], units, self._now()
-        for i, block, replay in zip(self.order, blocks, graphed):
-            _REPLAY[block] = _Replay(self, self.calls[i], replay, block)
+        self.fp8, self._units, self._fingerprint = fp8, units, self._now()
+        for i, block, replay in zip(order, blocks, graphed):
+            block.__dict__[_SLOT] = _Replay(self, i, self.calls[i], replay, block)
             block.forward = types.MethodType(_captured_forward, block)
         self.status = "ready"
-        log.info("CUDA graphs: the model's %d blocks captured, a graph each (%s)",
-                 len(self.blocks), "FP8" if self.fp8 else "BF16")
+        kept = len(self.blocks) - len(order)
+        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s)%s",
+                 len(order), len(self.blocks), "FP8" if fp8 else "BF16",
+                 f"; {kept} ran in another FP8 state (the layer policy) and stay eager"
+                 if kept else "")
+
+    def tell_eager(self, i: int) -> None:
+        """Once a run: a captured block's training call that differs from the recorded one."""
+        if not self._told_eager:
+            self._told_eager = True
+            log.info("CUDA graphs of the model's blocks: block %d was called in training with "
+                     "other tensor shapes, dtypes, gradients or options than at its capture; "
+                     "such calls run eagerly", i)
+
+
+_SLOT = "_fp8_lightning_replay"  # a captured block's _Replay, in the block's own __dict__
+
+
+def _no_replay() -> None:
+    return None
 
 
 class _Replay:
-    """One captured block's graph and when it may replay."""
+    """One captured block's graph and when it may replay. Held by the block itself: it lives as
+    long as the block does. A copy of the block (``copy.deepcopy`` for an EMA, pickling) gets
+    none and runs its own forward with its own weights."""
 
-    def __init__(self, owner: ModelBlockGraphs, call: _Call, graphed: Callable,
+    def __init__(self, owner: ModelBlockGraphs, index: int, call: _Call, graphed: Callable,
                  block: nn.Module) -> None:
-        self.owner, self.call, self.graphed = owner, call, graphed
+        self.owner, self.index, self.call, self.graphed = owner, index, call, graphed
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back when replays resume.
         self.flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
         self.replaying = True
-        # a replay's activations live in the graph's static buffers until its backward has run:
-        # another call before then (two forwards, one backward) runs eagerly
+        # a replay's outputs are the graph's static buffers until its backward has run (or the
+        # optimizer step): another call before then (two forwards, one backward) runs eagerly
         self.in_flight = False
 
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return _no_replay, ()
+
     def allows(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-        return block.training and torch.is_grad_enabled() and not self.in_flight and \
-            not torch.compiler.is_compiling() and fp8_state()[0] == self.owner.fp8 and \
-            self.call.matches(args, kwargs)
+        if not (block.training and torch.is_grad_enabled()) or self.in_flight or \
+                fp8_now() != self.owner.fp8:
+            return False
+        if self.call.matches(args, kwargs):
+            return True
+        self.owner.tell_eager(self.index)
+        return False
 
     def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         if not self.replaying:
@@ -444,10 +549,12 @@ class _Replay:
             self.replaying = True
         self.owner.replays += 1
         out = self.graphed(*args, **{k: kwargs[k] for k in self.call.tensor_kwargs})
+        # in flight until the backward, or without one (nothing asks for a gradient) until the
+        # step ends: the next call would overwrite these outputs
+        self.in_flight = True
         node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is not None:
-            self.in_flight = True
             node.register_hook(self._backward_done)
         return out
 
@@ -455,15 +562,12 @@ class _Replay:
         self.in_flight = False
 
 
-# Each captured block's replay, by the block itself: a copy of the block (``copy.deepcopy`` for
-# an EMA, pickling) is no key, so it runs its own forward with its own weights.
-_REPLAY: "weakref.WeakKeyDictionary[nn.Module, _Replay]" = weakref.WeakKeyDictionary()
-
-
 def _captured_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A captured block's ``forward`` (bound to it): the graph's replay where the call allows,
     else the block's own forward."""
-    replay = _REPLAY.get(block)
+    if torch.compiler.is_compiling():  # a model compiled after the capture: traced eagerly
+        return type(block).forward(block, *args, **kwargs)
+    replay = block.__dict__.get(_SLOT)
     if replay is not None:
         if replay.allows(block, args, kwargs):
             return replay(args, kwargs)

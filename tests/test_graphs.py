@@ -107,30 +107,97 @@ class TinyBlock(torch.nn.Module):  # importable, so that pickle can find it
         return x + self.fc(x)
 
 
+def captured(block, x):
+    """``block`` as a capture leaves it, with a stand-in for its graph (a real one needs a GPU)
+    that answers "replayed"."""
+    from fp8_lightning.graphs import _SLOT, _Call, _Replay, _captured_forward
+
+    owner = ModelBlockGraphs([block])
+    owner.remove()
+    owner.fp8 = False  # captured outside FP8 autocast, as this CPU test runs
+    block.__dict__[_SLOT] = _Replay(owner, 0, _Call((x,), {}), lambda *_: "replayed", block)
+    block.forward = _captured_forward.__get__(block)
+    return owner
+
+
 def test_a_copy_of_a_captured_block_runs_its_own_forward_with_its_own_weights():
-    """A captured block's forward is bound to it and finds its replay by the block itself: a deep
-    copy (an EMA of the model) or an unpickled block is no key and runs the class's forward."""
+    """A captured block holds its replay itself: a deep copy (an EMA of the model) or an
+    unpickled block gets none and runs the class's forward with its own weights."""
     import copy
     import pickle
-
-    from fp8_lightning.graphs import _REPLAY, _captured_forward
-
-    class Replayed:  # stands in for a captured graph (which needs a GPU): every call replays
-        def allows(self, *_):
-            return True
-
-        def __call__(self, args, kwargs):
-            return "replayed"
 
     torch.manual_seed(0)
     block = TinyBlock()
     x = torch.randn(2, 16, 32)
-    block.forward = _captured_forward.__get__(block)
-    _REPLAY[block] = Replayed()
+    captured(block, x)
     assert block(x) == "replayed"
     twin = copy.deepcopy(block)
     with torch.no_grad():
         next(twin.parameters()).add_(1.0)  # the copy's weights are its own
     assert torch.equal(twin(x), type(twin).forward(twin, x))
     assert pickle.loads(pickle.dumps(block))(x).shape == x.shape
-    del _REPLAY[block]
+
+
+def test_a_replay_waits_for_its_backward_or_the_step_end_and_other_calls_run_eagerly(caplog):
+    """The outputs of a replay are the graph's buffers: the next call runs eagerly until the
+    replay's backward has run (here: nothing asks for a gradient, so until the optimizer step);
+    a call of another shape runs eagerly and says so once; evaluation never replays."""
+    torch.manual_seed(0)
+    block = TinyBlock()
+    x = torch.randn(2, 16, 32)
+    owner = captured(block, x)
+    assert block(x) == "replayed"
+    assert torch.equal(block(x), type(block).forward(block, x))  # the first call's still live
+    owner.step_end()
+    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        assert block(x) == "replayed"
+        owner.step_end()
+        assert isinstance(block(x[:, :8]), torch.Tensor)
+        assert isinstance(block(x[:, :4]), torch.Tensor)
+    assert caplog.text.count("other tensor shapes") == 1
+    block.eval()
+    assert isinstance(block(x), torch.Tensor)
+    assert owner.replays == 2
+
+
+def test_a_captured_block_is_freed_with_its_model():
+    """No registry outlives the model: a captured block, its replay and their owner go when the
+    user drops them."""
+    import gc
+    import weakref
+
+    block = TinyBlock()
+    captured(block, torch.randn(2, 16, 32))
+    gone = weakref.ref(block)
+    del block
+    gc.collect()
+    assert gone() is None
+
+
+def test_blocks_never_called_in_training_turn_the_graphs_off_and_say_which():
+    """A model that skips some of its blocks (a layer drop) or compiles them: after a few
+    training forwards without every block's call, the recording stops, with the reason."""
+    own = load_script("examples/own_model.py")
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    graphs = ModelBlockGraphs(model.transformer.h)
+    x = torch.randn(2, 16, 32)
+    for _ in range(ModelBlockGraphs.WAIT + 1):
+        graphs.before_step()
+        model.transformer.h[0](x)  # blocks 1 and 2 never run
+    assert graphs.status == "off: block(s) 1, 2 not called in 3 training forwards"
+    assert all(not block._forward_pre_hooks for block in model.transformer.h)
+
+
+def test_a_block_with_its_own_instance_forward_is_not_captured():
+    """A wrapper on the instance (accelerate's hooks, a user's patch) would be skipped by a
+    capture: the graphs stay off and say why, and the wrapper stays."""
+    own = load_script("examples/own_model.py")
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    wrapped = model.transformer.h[1]
+    wrapper = wrapped.forward
+    wrapped.forward = lambda *a, **k: wrapper(*a, **k)
+    graphs = ModelBlockGraphs(model.transformer.h)
+    model(torch.randint(0, 128, (2, 16)))
+    graphs.before_step()
+    assert graphs.status.startswith("off: block 1 has a forward of its own on the instance")
+    assert "forward" in wrapped.__dict__

@@ -313,13 +313,21 @@ class FP8PrecisionBase(FabricPrecision):
         from ..graphs import ModelBlockGraphs
         from ..model import GPT
 
-        if self.graphs is not None:  # set up again (fit, then validate): the same model's
-            # graphs stay (they record again if its parameters moved meanwhile)
-            if self.graphs.blocks and self.graphs.blocks[0] in set(gpt.modules()):
+        if self.graphs is not None:  # set up again: the same model's live graphs stay (they
+            # record again if its parameters moved meanwhile); after a teardown, new ones
+            if self.graphs.live and self.graphs.blocks[0] in set(gpt.modules()):
                 return
             self.graphs.remove()
             self.graphs = None
-        if self.cuda_graphs is False or self.engine.name != "te" or isinstance(gpt, GPT):
+        if self.cuda_graphs is False:
+            return
+        if self.engine.name != "te" or isinstance(gpt, GPT):
+            if self.cuda_graphs:
+                rank_zero_only(log.info)(
+                    "CUDA graphs of the model's blocks: off (%s)",
+                    "this package's GPT graphs its blocks itself: model.cuda_graphs"
+                    if isinstance(gpt, GPT) else
+                    f"the {self.engine.name} engine's modules are not captured; the TE engine's are")
             return
         name, n = find_blocks(gpt)
         why = ("CUDA graphs need a GPU" if self._device_type != "cuda" else
@@ -448,6 +456,13 @@ class FP8PrecisionBase(FabricPrecision):
             else:
                 log.info("FP8 scaling state in the checkpoint (%s) not used by recipe %s",
                          saved.get("recipe"), self.recipe_config["recipe"])
+
+    @override
+    def teardown(self) -> None:
+        # the graphs' memory pools go with the run; the object stays, with its status and replays
+        if self.graphs is not None:
+            self.graphs.remove()
+        super().teardown()
 
     def _remove_hooks(self) -> None:
         # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must
