@@ -348,8 +348,9 @@ class ModelBlockGraphs:
     its call matches the recorded one in the FP8 state it was captured in; any other call (eval,
     a BF16 fallback, another shape, under ``torch.compile``, a second call before the first's
     backward) runs the block's own forward. Parameters moved or (un)frozen since the capture:
-    recorded and captured again. A block whose recorded call ran in another FP8 state than the
-    capture's (a block the layer policy keeps BF16) is not captured.
+    recorded and captured again, as after a few training forwards in another FP8 state (a BF16
+    fallback, FP8 back). A block whose recorded call ran in another FP8 state than the capture's
+    (a block the layer policy keeps BF16) is not captured.
 
     ``status``: ``recording``, ``ready``, or why not (``off: <reason>``); ``replays``: the
     blocks' forward replays so far. :meth:`remove` (the plugin's teardown) frees the graphs."""
@@ -365,6 +366,7 @@ class ModelBlockGraphs:
         self._units: tuple[nn.Module, ...] = ()
         self._fingerprint: tuple = ()
         self._waited = 0
+        self._other_state = 0  # training forwards in another FP8 state than the capture's
         self._told_eager = False
         self.calls: dict[int, _Call] = {}
         self.order: list[int] = []
@@ -375,6 +377,7 @@ class ModelBlockGraphs:
 
     def _record(self) -> None:
         self.status, self.calls, self.order, self._waited = "recording", {}, [], 0
+        self._other_state = 0
         self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
                        for i, block in enumerate(self.blocks)]
 
@@ -430,10 +433,13 @@ class ModelBlockGraphs:
         if self.status == "ready":
             if step_start:
                 self.step_end()
-            if self._now() == self._fingerprint:
+            # FP8 off (a BF16 fallback) or on again for several forwards: capture in that state
+            self._other_state = self._other_state + 1 if fp8_now() != self.fp8 else 0
+            if self._now() == self._fingerprint and self._other_state < self.WAIT:
                 return
-            log.info("CUDA graphs of the model's blocks: its parameters moved or changed "
-                     "requires_grad since the capture; recording its calls again")
+            log.info("CUDA graphs of the model's blocks: %s since the capture; recording its "
+                     "calls again", f"FP8 {'on' if fp8_now() else 'off'}"
+                     if self._other_state else "its parameters moved or changed requires_grad")
             self.remove()
             self._record()
         if self.status != "recording":

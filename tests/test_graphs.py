@@ -117,6 +117,7 @@ def captured(block, x):
     owner.fp8 = False  # captured outside FP8 autocast, as this CPU test runs
     block.__dict__[_SLOT] = _Replay(owner, 0, _Call((x,), {}), lambda *_: "replayed", block)
     block.forward = _captured_forward.__get__(block)
+    owner.status, owner._fingerprint = "ready", owner._now()
     return owner
 
 
@@ -201,3 +202,19 @@ def test_a_block_with_its_own_instance_forward_is_not_captured():
     graphs.before_step()
     assert graphs.status.startswith("off: block 1 has a forward of its own on the instance")
     assert "forward" in wrapped.__dict__
+
+
+def test_graphs_captured_in_another_fp8_state_are_recorded_again_after_a_few_forwards(caplog):
+    """Captured with FP8 on, then trained in BF16 (a fallback; here: this CPU's only state) for
+    a few forwards: the blocks get their own forward back and their calls are recorded again,
+    to be captured in the state training now runs in. One forward in another state does not."""
+    block = TinyBlock()
+    owner = captured(block, torch.randn(2, 16, 32))
+    owner.fp8 = True
+    owner.before_step()
+    assert owner.status == "ready"
+    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        for _ in range(ModelBlockGraphs.WAIT - 1):
+            owner.before_step()
+    assert owner.status == "recording" and "forward" not in block.__dict__
+    assert "FP8 off since the capture; recording its calls again" in caplog.text
