@@ -40,12 +40,14 @@ MODELS = {
 }
 # name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's other settings);
 # -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
-# filter off
+# filter off; TE's blocks replay as CUDA graphs by default, -nograph: not
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
             "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
             "tensorwise-all": ("tensorwise", True, {"fp8_layers": "all"}),
-            "delayed": ("delayed", False, {}), "delayed-compiled": ("delayed", True, {})}
+            "delayed": ("delayed", False, {}),
+            "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
+            "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
 
 
@@ -74,7 +76,9 @@ def lit_module(name: str, compile: bool):
                 self.model.compile()
 
         def training_step(self, batch, batch_idx):
-            logits = self.model(batch[:, :-1]).logits
+            # no key/value cache in training (its cache object would keep the blocks from
+            # replaying as CUDA graphs)
+            logits = self.model(batch[:, :-1], use_cache=False).logits
             return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
         def configure_optimizers(self):
@@ -113,7 +117,9 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
                                                 {"precision": "bf16-mixed"}))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True))
     rates = [10 * tokens / (b - a) for a, b in zip(times, times[1:])]
+    graphs = getattr(plugin, "graphs", None)
     return {"model": model, "variant": variant, "tok_s": round(statistics.median(rates)),
+            "graphs": graphs.status if graphs is not None else "-",
             "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
             "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
@@ -125,7 +131,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="nanogpt-1.3b")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                         default=["bf16", "bf16-eager", "tensorwise", "delayed",
-                                 "delayed-compiled"])
+                                 "delayed-nograph"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
     parser.add_argument("--gpus", nargs="+", default=["0"], help="run variants one per GPU")
@@ -154,12 +160,13 @@ def main() -> None:
             results.append(json.loads(lines[-1][7:]))
             print(json.dumps(results[-1]), flush=True)
     bf16 = max((r["tok_s"] for r in results if r["variant"].startswith("bf16")), default=None)
-    print(f"\n| {args.model} | tok/s | over the faster BF16 | precision | FP8 GEMM modules |")
-    print("|---|---|---|---|---|")
+    print(f"\n| {args.model} | tok/s | over the faster BF16 | precision | FP8 GEMM modules | "
+          "block graphs |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tok_s'] / bf16:.2f}x" if bf16 else "-"
         print(f"| {r['variant']} | {r['tok_s']:,} | {ratio} | {r['precision']} | "
-              f"{r['fp8_modules_ran']} |")
+              f"{r['fp8_modules_ran']} | {r['graphs']} |")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,16 @@ class FabricFP8Precision(FP8PrecisionBase):
     def forward_context(self) -> Any:
         model = self.model
         if model is None or model.training:
-            return self._training_context()
+            # each forward, not each step: one may still await its backward
+            return self._training_context(step_start=False)
         return self._context(fp8=self.fp8_eval)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self.graphs is not None:  # Fabric's forwards do not say when a step starts
+            self.graphs.step_end()
+        return out
 
     @override
     def convert_input(self, data: Any) -> Any:

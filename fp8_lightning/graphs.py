@@ -19,13 +19,17 @@ fallback, another shape) the blocks run eagerly.
 
 from __future__ import annotations
 
+import functools
+import gc
+import inspect
 import logging
-from typing import Any
+import types
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .te_support import te_module
+from .te_support import te_available, te_module
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,103 @@ def fp8_state() -> tuple[bool, Any, Any]:
     if not FP8GlobalStateManager.is_fp8_enabled():
         return False, None, None
     return True, FP8GlobalStateManager.get_fp8_recipe(), FP8GlobalStateManager.get_fp8_group()
+
+
+def fp8_now() -> bool:
+    """Is TE's FP8 autocast on here (False without TE)?"""
+    return te_available() and fp8_state()[0]
+
+
+def te_debug_on() -> bool:
+    """Is TE's debug API (FP8Stats) on? Its hooks run in Python, which a replay skips."""
+    if not te_available():
+        return False
+    try:
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    except ImportError:
+        return False
+    return bool(TEDebugState.debug_enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_clones_grads_on_request() -> bool:
+    """TE's make_graphed_callables takes clone_param_grads_on_return from 2.19 on (2.18 is the
+    floor; before 2.19 it always clones)."""
+    return "clone_param_grads_on_return" in \
+        inspect.signature(te_module().make_graphed_callables).parameters
+
+
+def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
+            clone_grads: bool = True, sample_kwargs: Optional[tuple[dict, ...]] = None) -> list:
+    """Capture ``units`` (called in this order in the forward, the reverse in the backward) with
+    one sample call each: TE's ``make_graphed_callables`` (FP8 per the autocast state now) or,
+    without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own."""
+    fp8, recipe, group = fp8_state() if te else (False, None, None)
+    unit_call = type(units[0]).__call__
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # No collective in flight when the capture starts (the NCCL watchdog's queries of
+        # such work are what broke captures: pytorch/pytorch#104487).
+        torch.cuda.synchronize()
+    # The warm-up passes on random inputs write the amax history and the gradients; TE puts
+    # the history back only after a capture that succeeded, so a failed one is undone here.
+    saved_fp8 = None
+    if te and fp8:
+        from transformer_engine.pytorch.graph import save_fp8_tensors
+
+        saved_fp8 = save_fp8_tensors(units, recipe)
+    saved_grads = [(p, p.grad) for unit in units for p in unit.parameters()]
+    # A capture that raises leaves state behind: TE turns the garbage collector off for the
+    # capture and on again only after one that succeeded, and torch.cuda.graph does not put the
+    # capture's side stream back when capture_end raises.
+    gc_was_on, stream = gc.isenabled(), torch.cuda.current_stream()
+    te_kwargs = (dict(clone_param_grads_on_return=clone_grads)
+                 if te and _te_clones_grads_on_request() else {})
+    try:
+        # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
+        # re-casting a weight used twice in one forward, which a replay never does.
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                            enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
+            if te:
+                te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
+                                                   sample_kwargs=sample_kwargs,
+                                                   enabled=fp8, recipe=recipe,
+                                                   amax_reduction_group=group, **te_kwargs)
+            else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
+                torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        if te:  # TE's capture flag stays set after a capture that raised, and eager TE
+            # backwards would then skip their amax/scale updates
+            from transformer_engine.pytorch.graph import set_capture_end
+
+            set_capture_end()
+            if saved_fp8 is not None:
+                from transformer_engine.pytorch.graph import restore_fp8_tensors
+
+                restore_fp8_tensors(units, saved_fp8)
+        for param, grad in saved_grads:
+            param.grad = grad
+        for unit in units:
+            unit.__dict__.pop("forward", None)
+        raise
+    finally:
+        # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
+        type(units[0]).__call__ = unit_call
+        if gc_was_on:
+            gc.enable()
+    # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls back
+    # to the original one in eval mode)
+    return [unit.__dict__["forward"] for unit in units]
+
+
+def release(units: Sequence[nn.Module]) -> None:
+    """Free captured units' graphs and memory pool: TE's graphed callables hold them in the
+    ``reset`` and ``backward_dw`` closures it set on each unit."""
+    for unit in units:
+        reset = unit.__dict__.pop("reset", None)
+        if reset is not None:
+            reset()
+        unit.__dict__.pop("backward_dw", None)
 
 
 class BlockGraphs:
@@ -62,36 +163,7 @@ class BlockGraphs:
                         for _ in units)
         self.key, self.te, self.recipe = self.key_of(batch_shape, fp8), te, recipe
         self.units, self.n_blocks = units, len(model.blocks)
-        unit_call = type(units[0]).__call__
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # No collective in flight when the capture starts (the NCCL watchdog's queries of
-            # such work are what broke captures: pytorch/pytorch#104487).
-            torch.cuda.synchronize()
-        try:
-            # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
-            # re-casting a weight used twice in one forward, which a replay never does.
-            with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
-                if te:
-                    te_module().make_graphed_callables(units, samples, num_warmup_iters=3,
-                                                       enabled=fp8, recipe=recipe,
-                                                       amax_reduction_group=group,
-                                                       clone_param_grads_on_return=clone_grads)
-                else:  # compiled blocks (compile_model(per_block=True)), BF16, no accumulation
-                    torch.cuda.make_graphed_callables(units, samples, num_warmup_iters=3)
-        except BaseException:
-            if te:  # TE's capture flag stays set after a capture that raised, and eager TE
-                # backwards would then skip their amax/scale updates
-                from transformer_engine.pytorch.graph import set_capture_end
-
-                set_capture_end()
-            raise
-        finally:
-            # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
-            type(units[0]).__call__ = unit_call
-        # make_graphed_callables set each unit's ``forward`` to its graphed version (TE falls
-        # back to the original one in eval mode); keep them, to switch per step.
-        self.graphed = [unit.__dict__["forward"] for unit in units]
+        self.graphed = capture(units, samples, te, clone_grads)
         self.active = True
         # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
         # ran); a replay runs no Python, so the capture's flags are put back on every switch.
@@ -120,11 +192,7 @@ class BlockGraphs:
         """The blocks' own forward again, and the graphs and their memory pool freed (TE's
         graphed callables hold them in ``reset`` and ``backward_dw`` closures as well)."""
         self.use(False)
-        for unit in self.units:
-            reset = unit.__dict__.pop("reset", None)
-            if reset is not None:
-                reset()
-            unit.__dict__.pop("backward_dw", None)
+        release(self.units)
         self.graphed, self.fp8_flags = [], {}
 
     def matches(self, batch_shape: tuple[int, int]) -> bool:
@@ -181,3 +249,337 @@ def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
                  "x".join(map(str, batch_shape)), "FP8" if graphs.key[-1] else "BF16")
     graphs.use(graphs.matches(batch_shape))
     return graphs
+
+
+# ------------------------------------------------------------------------ any model's blocks
+class _Tensor:
+    """A recorded tensor argument: shape, dtype and ``requires_grad``; an integer tensor's value
+    too (positions and masks may index, so the capture uses the real ones; a float one is drawn
+    at random there, and every replay copies the call's own values in)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.key = (tuple(t.shape), t.dtype, t.requires_grad)
+        self.value = None if t.is_floating_point() else t.detach().clone()
+
+    def sample(self, device: torch.device) -> torch.Tensor:
+        if self.value is not None:
+            return self.value
+        shape, dtype, requires_grad = self.key
+        return torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+class _Call:
+    """One block's training call as recorded: its tensors (positional, and keyword tensors or
+    tuples of tensors) and its other keyword arguments (None, bools, numbers, strings), which the
+    capture fixes. ``unsupported``: why such a call cannot be captured (a positional argument or
+    a keyword of another kind, e.g. Hugging Face's key/value cache object)."""
+
+    CONSTANT = (type(None), bool, int, float, str)
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.fp8 = fp8_now()  # the FP8 state the call ran in (a BF16-policy block's: off)
+        self.unsupported = ""
+        self.args = tuple(self._record(a, f"positional argument {i}") for i, a in enumerate(args))
+        self.tensor_kwargs: dict[str, Any] = {}
+        self.fixed: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if isinstance(value, self.CONSTANT):
+                self.fixed[key] = value
+            else:
+                self.tensor_kwargs[key] = self._record(value, f"keyword {key!r}")
+
+    def _record(self, value: Any, what: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _Tensor(value)
+        if isinstance(value, (tuple, list)) and value and \
+                all(isinstance(v, torch.Tensor) for v in value):
+            return tuple(_Tensor(v) for v in value)
+        if not self.unsupported:
+            kind = type(value).__name__
+            hint = (" (Hugging Face: use_cache=False when training)" if kind.endswith("Cache")
+                    else "")
+            self.unsupported = f"its {what} is a {kind}{hint}"
+        return None
+
+    def matches(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Is this call the recorded one (same tensor layout, same fixed arguments)?"""
+        if len(args) != len(self.args) or \
+                kwargs.keys() != self.tensor_kwargs.keys() | self.fixed.keys():
+            return False
+        return all(_same(r, a) for r, a in zip(self.args, args)) and \
+            all(_same(r, kwargs[k]) for k, r in self.tensor_kwargs.items()) and \
+            all(type(kwargs[k]) is type(v) and kwargs[k] == v for k, v in self.fixed.items())
+
+    def sample(self, device: torch.device) -> tuple[tuple, dict[str, Any]]:
+        """Tensors for the capture, laid out as the call's."""
+        def make(r: Any) -> Any:
+            return tuple(x.sample(device) for x in r) if isinstance(r, tuple) else r.sample(device)
+
+        kwargs = {k: make(r) for k, r in self.tensor_kwargs.items()}
+        return tuple(make(r) for r in self.args), kwargs
+
+
+def _same(recorded: Any, value: Any) -> bool:
+    if isinstance(recorded, _Tensor):
+        return isinstance(value, torch.Tensor) and \
+            recorded.key == (tuple(value.shape), value.dtype, value.requires_grad)
+    return isinstance(value, (tuple, list)) and len(value) == len(recorded) and \
+        all(_same(r, v) for r, v in zip(recorded, value))
+
+
+class _BoundBlock(nn.Module):
+    """A block with its recorded call's fixed keyword arguments bound: what is captured. Its
+    parameters are the block's (the capture's input surface); it belongs to no model."""
+
+    def __init__(self, block: nn.Module, forward: Callable, fixed: dict[str, Any]) -> None:
+        super().__init__()
+        self.block = block
+        self._block_forward, self._fixed = forward, fixed
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._block_forward(*args, **kwargs, **self._fixed)
+
+
+class ModelBlockGraphs:
+    """CUDA graphs of another model's blocks (a user's module under ``FP8Precision`` on the TE
+    engine, whose swapped ``te.Linear`` calls cost more host time than GPU time): each block's
+    first training call is recorded, the blocks are captured at the next training step (a graph
+    per block, in the order the model called them) and a block then replays its graph whenever
+    its call matches the recorded one in the FP8 state it was captured in; any other call (eval,
+    a BF16 fallback, another shape, under ``torch.compile``, a second call before the first's
+    backward) runs the block's own forward. Parameters moved or (un)frozen since the capture:
+    recorded and captured again, as after a few training forwards in another FP8 state (a BF16
+    fallback, FP8 back). A block whose recorded call ran in another FP8 state than the capture's
+    (a block the layer policy keeps BF16) is not captured.
+
+    ``status``: ``recording``, ``ready``, or why not (``off: <reason>``); ``replays``: the
+    blocks' forward replays so far. :meth:`remove` (the plugin's teardown) frees the graphs."""
+
+    WAIT = 3  # training forwards to wait for every block's first call before giving up
+
+    def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True) -> None:
+        self.blocks = list(blocks)
+        self.clone_grads = clone_grads
+        self.replays = 0
+        self.fp8: Optional[bool] = None
+        self._hooks: list[Any] = []
+        self._units: tuple[nn.Module, ...] = ()
+        self._fingerprint: tuple = ()
+        self._waited = 0
+        self._other_state = 0  # training forwards in another FP8 state than the capture's
+        self._told_eager = False
+        self.calls: dict[int, _Call] = {}
+        self.order: list[int] = []
+        if len({id(b) for b in self.blocks}) != len(self.blocks):
+            self.status = "off: a block appears twice in the model's list"
+            return
+        self._record()
+
+    def _record(self) -> None:
+        self.status, self.calls, self.order, self._waited = "recording", {}, [], 0
+        self._other_state = 0
+        self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
+                       for i, block in enumerate(self.blocks)]
+
+    def _recorder(self, i: int) -> Callable:
+        def record(block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if block.training and torch.is_grad_enabled() and i not in self.calls and \
+                    not torch.compiler.is_compiling():
+                self.calls[i] = _Call(args, kwargs)
+                self.order.append(i)
+        return record
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for block in self.blocks for p in block.parameters()]
+
+    def _now(self) -> tuple:
+        """What a capture depends on: where each parameter lives and whether it trains."""
+        return tuple((p.data_ptr(), p.requires_grad) for p in self._params())
+
+    def remove(self) -> None:
+        """No recording, no graph: the blocks' own forward again, the graphs' memory freed."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for block in self.blocks:
+            if block.__dict__.pop(_SLOT, None) is not None:
+                block.__dict__.pop("forward", None)
+        if self._units:
+            release(self._units)
+            self._units = ()
+            gc.collect()  # the graphed callables' closures hold each other: free their pools now
+
+    @property
+    def live(self) -> bool:
+        """Recording or captured (not removed)."""
+        return bool(self._hooks or self._units)
+
+    def _off(self, why: str) -> None:
+        self.remove()
+        self.status = f"off: {why}"
+        log.info("CUDA graphs of the model's blocks: off (%s)", why)
+
+    def step_end(self) -> None:
+        """After an optimizer step: every replay's activations are spent (backpropagated or
+        dropped), so the next call of each block may replay again."""
+        for block in self.blocks:
+            replay = block.__dict__.get(_SLOT)
+            if replay is not None:
+                replay.in_flight = False
+
+    def before_step(self, step_start: bool = True) -> None:
+        """Before a training forward (``step_start``: a new training step, no earlier forward
+        awaits its backward): capture once every block's call has been recorded."""
+        if self.status == "ready":
+            if step_start:
+                self.step_end()
+            # FP8 off (a BF16 fallback) or on again for several forwards: capture in that state
+            self._other_state = self._other_state + 1 if fp8_now() != self.fp8 else 0
+            if self._now() == self._fingerprint and self._other_state < self.WAIT:
+                return
+            log.info("CUDA graphs of the model's blocks: %s since the capture; recording its "
+                     "calls again", f"FP8 {'on' if fp8_now() else 'off'}"
+                     if self._other_state else "its parameters moved or changed requires_grad")
+            self.remove()
+            self._record()
+        if self.status != "recording":
+            return
+        if len(self.calls) < len(self.blocks):
+            self._waited += 1
+            if self._waited > self.WAIT:
+                missing = [i for i in range(len(self.blocks)) if i not in self.calls]
+                self._off("no block was called outside torch.compile in a training forward"
+                          if not self.calls else
+                          f"block(s) {', '.join(map(str, missing[:8]))} not called in "
+                          f"{self.WAIT} training forwards")
+            return
+        from torch.distributed.tensor import DTensor
+
+        params = self._params()
+        fp8 = fp8_now()
+        order = [i for i in self.order if self.calls[i].fp8 == fp8]  # the others run eagerly
+        why = next((f"block {i}'s call cannot be replayed: {c.unsupported}"
+                    for i, c in self.calls.items() if c.unsupported), "")
+        why = why or next((f"block {i} has a forward of its own on the instance (a wrapper "
+                           "such as accelerate's hooks), which a capture would skip"
+                           for i, b in enumerate(self.blocks) if "forward" in b.__dict__), "")
+        if not why and (not params or params[0].device.type != "cuda"):
+            why = "CUDA graphs need a GPU"
+        if not why and any(isinstance(p, DTensor) for p in params):
+            why = "FSDP2's hooks run in Python, outside a replay"
+        if not why and te_debug_on():
+            why = "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
+        if not why and not order:
+            why = "no block ran in the FP8 state of the training step"
+        if why:
+            self._off(why)
+            return
+        for handle in self._hooks:  # TE captures no module with hooks
+            handle.remove()
+        self._hooks.clear()
+        try:
+            blocks = [self.blocks[i] for i in order]  # the replays' order, and the pool's
+            units = tuple(_BoundBlock(b, type(b).forward.__get__(b), self.calls[i].fixed)
+                          for i, b in zip(order, blocks))
+            samples = [self.calls[i].sample(params[0].device) for i in order]
+            graphed = capture(units, tuple(a for a, _ in samples), True, self.clone_grads,
+                              sample_kwargs=tuple(k for _, k in samples))
+        except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
+            message = (str(err).strip().splitlines() or [""])[0][:300]
+            self.status = f"off: capture failed ({type(err).__name__}: {message})"
+            log.warning("CUDA graphs of the model's blocks: capture failed (%s: %s); training "
+                        "without them", type(err).__name__, message)
+            return
+        self.fp8, self._units, self._fingerprint = fp8, units, self._now()
+        for i, block, replay in zip(order, blocks, graphed):
+            block.__dict__[_SLOT] = _Replay(self, i, self.calls[i], replay, block)
+            block.forward = types.MethodType(_captured_forward, block)
+        self.status = "ready"
+        kept = len(self.blocks) - len(order)
+        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s)%s",
+                 len(order), len(self.blocks), "FP8" if fp8 else "BF16",
+                 f"; {kept} ran in another FP8 state (the layer policy) and stay eager"
+                 if kept else "")
+
+    def tell_eager(self, i: int) -> None:
+        """Once a run: a captured block's training call that differs from the recorded one."""
+        if not self._told_eager:
+            self._told_eager = True
+            log.info("CUDA graphs of the model's blocks: block %d was called in training with "
+                     "other tensor shapes, dtypes, gradients or options than at its capture; "
+                     "such calls run eagerly", i)
+
+
+_SLOT = "_fp8_lightning_replay"  # a captured block's _Replay, in the block's own __dict__
+
+
+def _no_replay() -> None:
+    return None
+
+
+class _Replay:
+    """One captured block's graph and when it may replay. Held by the block itself: it lives as
+    long as the block does. A copy of the block (``copy.deepcopy`` for an EMA, pickling) gets
+    none and runs its own forward with its own weights."""
+
+    def __init__(self, owner: ModelBlockGraphs, index: int, call: _Call, graphed: Callable,
+                 block: nn.Module) -> None:
+        self.owner, self.index, self.call, self.graphed = owner, index, call, graphed
+        # TE sets ``module.fp8`` on each Python forward (FP8Precision reads it to verify that FP8
+        # ran); a replay runs no Python, so the capture's flags are put back when replays resume.
+        self.flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
+        self.replaying = True
+        # a replay's outputs are the graph's static buffers until its backward has run (or the
+        # optimizer step): another call before then (two forwards, one backward) runs eagerly
+        self.in_flight = False
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return _no_replay, ()
+
+    def allows(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+        if not (block.training and torch.is_grad_enabled()) or self.in_flight or \
+                fp8_now() != self.owner.fp8:
+            return False
+        if self.call.matches(args, kwargs):
+            return True
+        self.owner.tell_eager(self.index)
+        return False
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if not self.replaying:
+            for module, flag in self.flags.items():
+                module.fp8 = flag
+            self.replaying = True
+        self.owner.replays += 1
+        out = self.graphed(*args, **{k: kwargs[k] for k in self.call.tensor_kwargs})
+        # in flight until the backward, or without one (nothing asks for a gradient) until the
+        # step ends: the next call would overwrite these outputs
+        self.in_flight = True
+        node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:
+            node.register_hook(self._backward_done)
+        return out
+
+    def _backward_done(self, *_: Any) -> None:
+        self.in_flight = False
+
+
+def _captured_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A captured block's ``forward`` (bound to it): the graph's replay where the call allows,
+    else the block's own forward."""
+    if torch.compiler.is_compiling():  # a model compiled after the capture: traced eagerly
+        return type(block).forward(block, *args, **kwargs)
+    replay = block.__dict__.get(_SLOT)
+    if replay is not None:
+        if replay.allows(block, args, kwargs):
+            return replay(args, kwargs)
+        replay.replaying = False
+    return type(block).forward(block, *args, **kwargs)
+
+
+# pickle stores a bound method as getattr(block, __name__): the unpickled block's own forward
+_captured_forward.__name__ = _captured_forward.__qualname__ = "forward"

@@ -23,14 +23,15 @@ def example():
 class LitLlama(L.LightningModule):
     """A user's LightningModule around a Hugging Face Llama built from a local directory."""
 
-    def __init__(self, directory) -> None:
+    def __init__(self, directory, use_cache=None) -> None:
         super().__init__()
         import transformers
 
         self.model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        self.use_cache = use_cache  # None: the model config's (on)
 
     def training_step(self, batch, batch_idx):
-        logits = self.model(batch[:, :-1]).logits
+        logits = self.model(batch[:, :-1], use_cache=self.use_cache).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         self.log("train/loss", loss)
         return loss
@@ -39,7 +40,7 @@ class LitLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def build(arch, tmp_path):
+def build(arch, tmp_path, use_cache=None):
     """(a fresh LightningModule, the number of its GEMM modules the policy runs FP8)."""
     torch.manual_seed(0)
     if arch == "nanogpt":
@@ -52,14 +53,15 @@ def build(arch, tmp_path):
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
         ).save_pretrained(directory)
-    return LitLlama(str(directory)), 2 * 7  # q, k, v, o, gate, up, down a block
+    return LitLlama(str(directory), use_cache), 2 * 7  # q, k, v, o, gate, up, down a block
 
 
-def fit(module, steps, tmp_path, recipe, ckpt_path=None):
+def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, **plugin_args):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
     data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
-    plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error")
+    plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error",
+                          cuda_graphs=cuda_graphs, **plugin_args)
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
@@ -98,6 +100,68 @@ def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recip
         assert plugin2.scaling_restored == n_gemms
     for a, b in zip(module.model.state_dict().values(), fresh.model.state_dict().values()):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("arch", ["nanogpt", "llama"])
+def test_a_users_blocks_replay_as_cuda_graphs_and_train_as_they_do_eagerly(arch, tmp_path):
+    """TE delayed: each block of the user's model is captured at the second step and replayed
+    from then on; it trains to the loss of the same run without graphs (the same kernels), with
+    FP8 verified."""
+    losses = {}
+    for graphs in (False, True):
+        module, n_gemms = build(arch, tmp_path, use_cache=False)
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs)
+        losses[graphs] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) == n_gemms
+    assert plugin.graphs.status == "ready"
+    blocks = plugin.graphs.blocks
+    assert plugin.graphs.replays == 29 * len(blocks)  # every step's blocks after the first
+    # released with the fit (the plugin's teardown): the blocks' own forward, no graph memory
+    assert all("forward" not in block.__dict__ for block in blocks) and not plugin.graphs.live
+    assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
+def test_two_forwards_before_one_backward_replay_once_and_train_as_without_graphs(tmp_path):
+    """A training step that calls the model twice before its backward (a batch in two halves):
+    each block's first call replays, the second runs eagerly (the graph's buffers still hold the
+    first call's activations), and the run trains to the loss it reaches without graphs."""
+    own = example()
+
+    class LitTwice(own.LitNanoGPT):
+        def training_step(self, batch, batch_idx):
+            loss = sum(F.cross_entropy(self.model(half[:, :-1]).flatten(0, 1).float(),
+                                       half[:, 1:].flatten()) for half in batch.chunk(2)) / 2
+            self.log("train/loss", loss)
+            return loss
+
+    losses = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        module = LitTwice(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_embd=128)
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs)
+        losses[graphs] = float(trainer.callback_metrics["train/loss"])
+    assert plugin.graphs.status == "ready" and plugin.graphs.replays == 29 * 4
+    assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
+def test_a_block_the_policy_keeps_bf16_runs_eagerly_and_the_others_replay(tmp_path, caplog):
+    """bf16_first_layers=1: the first block's call runs outside FP8 (the policy's hooks), so it
+    is not captured (a graph captured in FP8 would never replay); the other three replay."""
+    module, _ = build("nanogpt", tmp_path)
+    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", bf16_first_layers=1)
+    assert plugin.fp8_active and plugin.graphs.status == "ready"
+    assert "3 of the model's 4 blocks captured" in caplog.text
+    assert plugin.graphs.replays == 29 * 3
+    assert float(trainer.callback_metrics["train/loss"]) < 5.0
+
+
+def test_a_hugging_face_model_with_its_cache_on_trains_eagerly_and_says_why(tmp_path):
+    module, _ = build("llama", tmp_path)  # use_cache: the config's (on), as a user leaves it
+    trainer, plugin = fit(module, 3, tmp_path, "delayed")
+    assert plugin.fp8_active and trainer.global_step == 3
+    assert plugin.graphs.status.startswith("off: block 0's call cannot be replayed")
+    assert "use_cache=False" in plugin.graphs.status
 
 
 def test_the_example_trains_fp8_under_the_plugin():

@@ -26,3 +26,195 @@ def test_one_unsharded_gpu_replays_the_stack_and_ddp_a_graph_per_block():
     assert graphs_status("cuda", 1, [], sharded=False) == (True, "one GPU")
     # DDP's all-reduce runs in autograd hooks between the blocks' backward replays
     assert graphs_status("cuda", 2, [], sharded=False) == (True, "DDP, a graph per block")
+
+
+# ------------------------------------------------------------- another model's blocks (recorded)
+import torch  # noqa: E402
+
+from fp8_lightning.graphs import ModelBlockGraphs, _Call  # noqa: E402
+from tests._runs import load_script  # noqa: E402
+
+
+class DynamicCache:  # what Hugging Face passes a decoder layer when use_cache is on
+    pass
+
+
+def llama_layer_call(T=16, use_cache=False):
+    """A Hugging Face decoder layer's training call: the residual stream, RoPE tables, integer
+    positions and fixed options."""
+    x = torch.randn(2, T, 32, requires_grad=True)
+    rope = (torch.randn(1, T, 8), torch.randn(1, T, 8))
+    return (x,), dict(attention_mask=None, position_ids=torch.arange(T)[None],
+                      position_embeddings=rope, use_cache=use_cache)
+
+
+def test_a_block_call_is_replayed_only_when_its_tensors_and_options_are_the_recorded_ones():
+    args, kwargs = llama_layer_call()
+    call = _Call(args, kwargs)
+    assert not call.unsupported
+    assert call.fixed == {"attention_mask": None, "use_cache": False}
+    assert set(call.tensor_kwargs) == {"position_ids", "position_embeddings"}
+    assert call.matches(*llama_layer_call())  # new values, same layout
+    assert not call.matches(*llama_layer_call(T=8))  # another sequence length
+    assert not call.matches(*llama_layer_call(use_cache=True))  # another option
+    args, kwargs = llama_layer_call()
+    assert not call.matches(args, {k: v for k, v in kwargs.items() if k != "use_cache"})
+    assert not call.matches((args[0].detach(),), kwargs)  # no gradient asked for the input
+    # the capture's inputs: the recorded integer positions, random floats of the same layout
+    (x,), sample = call.sample(torch.device("cpu"))
+    assert x.shape == (2, 16, 32) and x.requires_grad
+    assert torch.equal(sample["position_ids"], torch.arange(16)[None])
+    assert [t.shape for t in sample["position_embeddings"]] == [(1, 16, 8), (1, 16, 8)]
+
+
+def test_a_call_with_a_cache_object_cannot_be_replayed_and_says_what_to_change():
+    args, kwargs = llama_layer_call()
+    call = _Call(args, {**kwargs, "past_key_values": DynamicCache()})
+    assert call.unsupported == ("its keyword 'past_key_values' is a DynamicCache (Hugging Face: "
+                                "use_cache=False when training)")
+
+
+def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
+    own = load_script("examples/own_model.py")
+    torch.manual_seed(0)
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    idx = torch.randint(0, 128, (2, 16))
+    graphs = ModelBlockGraphs(model.transformer.h)
+    model.eval()
+    with torch.no_grad():
+        expected = model(idx)
+    assert graphs.calls == {} and graphs.status == "recording"  # evaluation is not recorded
+    model.train()
+    model(idx)
+    assert sorted(graphs.calls) == [0, 1, 2]
+    # the residual stream, which carries the embeddings' gradient
+    assert all(graphs.calls[i].args[0].key == ((2, 16, 32), torch.float32, True) for i in range(3))
+    graphs.before_step()
+    assert graphs.status == "off: CUDA graphs need a GPU"
+    assert all(not block._forward_pre_hooks and "forward" not in block.__dict__
+               for block in model.transformer.h)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(idx), expected)
+
+
+class TinyBlock(torch.nn.Module):  # importable, so that pickle can find it
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+def captured(block, x):
+    """``block`` as a capture leaves it, with a stand-in for its graph (a real one needs a GPU)
+    that answers "replayed"."""
+    from fp8_lightning.graphs import _SLOT, _Call, _Replay, _captured_forward
+
+    owner = ModelBlockGraphs([block])
+    owner.remove()
+    owner.fp8 = False  # captured outside FP8 autocast, as this CPU test runs
+    block.__dict__[_SLOT] = _Replay(owner, 0, _Call((x,), {}), lambda *_: "replayed", block)
+    block.forward = _captured_forward.__get__(block)
+    owner.status, owner._fingerprint = "ready", owner._now()
+    return owner
+
+
+def test_a_copy_of_a_captured_block_runs_its_own_forward_with_its_own_weights():
+    """A captured block holds its replay itself: a deep copy (an EMA of the model) or an
+    unpickled block gets none and runs the class's forward with its own weights."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    block = TinyBlock()
+    x = torch.randn(2, 16, 32)
+    captured(block, x)
+    assert block(x) == "replayed"
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        next(twin.parameters()).add_(1.0)  # the copy's weights are its own
+    assert torch.equal(twin(x), type(twin).forward(twin, x))
+    assert pickle.loads(pickle.dumps(block))(x).shape == x.shape
+
+
+def test_a_replay_waits_for_its_backward_or_the_step_end_and_other_calls_run_eagerly(caplog):
+    """The outputs of a replay are the graph's buffers: the next call runs eagerly until the
+    replay's backward has run (here: nothing asks for a gradient, so until the optimizer step);
+    a call of another shape runs eagerly and says so once; evaluation never replays."""
+    torch.manual_seed(0)
+    block = TinyBlock()
+    x = torch.randn(2, 16, 32)
+    owner = captured(block, x)
+    assert block(x) == "replayed"
+    assert torch.equal(block(x), type(block).forward(block, x))  # the first call's still live
+    owner.step_end()
+    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        assert block(x) == "replayed"
+        owner.step_end()
+        assert isinstance(block(x[:, :8]), torch.Tensor)
+        assert isinstance(block(x[:, :4]), torch.Tensor)
+    assert caplog.text.count("other tensor shapes") == 1
+    block.eval()
+    assert isinstance(block(x), torch.Tensor)
+    assert owner.replays == 2
+
+
+def test_a_captured_block_is_freed_with_its_model():
+    """No registry outlives the model: a captured block, its replay and their owner go when the
+    user drops them."""
+    import gc
+    import weakref
+
+    block = TinyBlock()
+    captured(block, torch.randn(2, 16, 32))
+    gone = weakref.ref(block)
+    del block
+    gc.collect()
+    assert gone() is None
+
+
+def test_blocks_never_called_in_training_turn_the_graphs_off_and_say_which():
+    """A model that skips some of its blocks (a layer drop) or compiles them: after a few
+    training forwards without every block's call, the recording stops, with the reason."""
+    own = load_script("examples/own_model.py")
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    graphs = ModelBlockGraphs(model.transformer.h)
+    x = torch.randn(2, 16, 32)
+    for _ in range(ModelBlockGraphs.WAIT + 1):
+        graphs.before_step()
+        model.transformer.h[0](x)  # blocks 1 and 2 never run
+    assert graphs.status == "off: block(s) 1, 2 not called in 3 training forwards"
+    assert all(not block._forward_pre_hooks for block in model.transformer.h)
+
+
+def test_a_block_with_its_own_instance_forward_is_not_captured():
+    """A wrapper on the instance (accelerate's hooks, a user's patch) would be skipped by a
+    capture: the graphs stay off and say why, and the wrapper stays."""
+    own = load_script("examples/own_model.py")
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    wrapped = model.transformer.h[1]
+    wrapper = wrapped.forward
+    wrapped.forward = lambda *a, **k: wrapper(*a, **k)
+    graphs = ModelBlockGraphs(model.transformer.h)
+    model(torch.randint(0, 128, (2, 16)))
+    graphs.before_step()
+    assert graphs.status.startswith("off: block 1 has a forward of its own on the instance")
+    assert "forward" in wrapped.__dict__
+
+
+def test_graphs_captured_in_another_fp8_state_are_recorded_again_after_a_few_forwards(caplog):
+    """Captured with FP8 on, then trained in BF16 (a fallback; here: this CPU's only state) for
+    a few forwards: the blocks get their own forward back and their calls are recorded again,
+    to be captured in the state training now runs in. One forward in another state does not."""
+    block = TinyBlock()
+    owner = captured(block, torch.randn(2, 16, 32))
+    owner.fp8 = True
+    owner.before_step()
+    assert owner.status == "ready"
+    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        for _ in range(ModelBlockGraphs.WAIT - 1):
+            owner.before_step()
+    assert owner.status == "recording" and "forward" not in block.__dict__
+    assert "FP8 off since the capture; recording its calls again" in caplog.text

@@ -89,6 +89,13 @@ class FP8PrecisionBase(FabricPrecision):
             own size filter for the recipe (torchtitan's ``auto_filter_small_kn``), per GEMM.
             Default: the recipe's measured faster one (``auto`` for ``tensorwise``, else ``all``).
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
+        cuda_graphs: TE engine, a model this package did not build (a user's module, a Hugging
+            Face model): replay each of its transformer blocks as a CUDA graph, captured at the
+            second training step from the first one's calls (:class:`~fp8_lightning.graphs.
+            ModelBlockGraphs`; a swapped ``te.Linear`` costs more host time than GPU time).
+            Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
+            options); a block it cannot replay runs eagerly, said why. This package's GPT
+            graphs its blocks itself (``model.cuda_graphs``).
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -102,7 +109,8 @@ class FP8PrecisionBase(FabricPrecision):
                  fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
                  bf16_last_layers: int = 0,
                  fp8_layers: Optional[Literal["all", "auto"]] = None,
-                 on_unavailable: Literal["fallback", "error"] = "fallback") -> None:
+                 on_unavailable: Literal["fallback", "error"] = "fallback",
+                 cuda_graphs: Optional[bool] = None) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -110,6 +118,8 @@ class FP8PrecisionBase(FabricPrecision):
             problems.append(f"fp8_layers={fp8_layers!r}; valid: all, auto")
         if on_unavailable not in ("fallback", "error"):
             problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
+        if cuda_graphs not in (None, True, False):
+            problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -137,6 +147,8 @@ class FP8PrecisionBase(FabricPrecision):
         self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
         self.on_unavailable = on_unavailable
+        self.cuda_graphs = cuda_graphs
+        self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
         self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
         self.fp8_available = False
@@ -286,6 +298,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.bf16_modules = self._plan_bf16(gpt)
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
+        self._plan_graphs(gpt)
         self.fp8_active, self.reason = True, reason
         self._verify_pending = True
         self._record("enabled", f"{reason}; recipe {self.recipe_config}")
@@ -293,6 +306,37 @@ class FP8PrecisionBase(FabricPrecision):
                  ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
         self._apply_loaded_state()
         return module
+
+    def _plan_graphs(self, gpt: nn.Module) -> None:
+        """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
+        does not graph them itself."""
+        from ..graphs import ModelBlockGraphs
+        from ..model import GPT
+
+        if self.graphs is not None:  # set up again: the same model's live graphs stay (they
+            # record again if its parameters moved meanwhile); after a teardown, new ones
+            if self.graphs.live and self.graphs.blocks[0] in set(gpt.modules()):
+                return
+            self.graphs.remove()
+            self.graphs = None
+        if self.cuda_graphs is False:
+            return
+        if self.engine.name != "te" or isinstance(gpt, GPT):
+            if self.cuda_graphs:
+                rank_zero_only(log.info)(
+                    "CUDA graphs of the model's blocks: off (%s)",
+                    "this package's GPT graphs its blocks itself: model.cuda_graphs"
+                    if isinstance(gpt, GPT) else
+                    f"the {self.engine.name} engine's modules are not captured; the TE engine's are")
+            return
+        name, n = find_blocks(gpt)
+        why = ("CUDA graphs need a GPU" if self._device_type != "cuda" else
+               "" if n else "no repeated blocks (an nn.ModuleList) found")
+        if why:
+            if self.cuda_graphs:
+                rank_zero_only(log.info)("CUDA graphs of the model's blocks: off (%s)", why)
+            return
+        self.graphs = ModelBlockGraphs(gpt.get_submodule(name))
 
     def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
         """``fp8_layers: auto``: the GEMMs the engine finds would not gain from FP8 here."""
@@ -314,9 +358,12 @@ class FP8PrecisionBase(FabricPrecision):
             yield
 
     @contextmanager
-    def _training_context(self) -> Generator[None, None, None]:
-        """A training forward in FP8; after the first FP8 step, checks that FP8 really ran."""
+    def _training_context(self, step_start: bool = True) -> Generator[None, None, None]:
+        """A training forward in FP8 (``step_start``: the Trainer's training step, not one of
+        Fabric's forwards); after the first FP8 step, checks that FP8 really ran."""
         with self._context(fp8=True):
+            if self.graphs is not None:
+                self.graphs.before_step(step_start)
             yield
         if self._verify_pending and self.fp8_active:
             self._verify_fp8_ran()
@@ -409,6 +456,13 @@ class FP8PrecisionBase(FabricPrecision):
             else:
                 log.info("FP8 scaling state in the checkpoint (%s) not used by recipe %s",
                          saved.get("recipe"), self.recipe_config["recipe"])
+
+    @override
+    def teardown(self) -> None:
+        # the graphs' memory pools go with the run; the object stays, with its status and replays
+        if self.graphs is not None:
+            self.graphs.remove()
+        super().teardown()
 
     def _remove_hooks(self) -> None:
         # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must
