@@ -13,7 +13,7 @@ from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
-from .policy import runs_bf16
+from .policy import is_conv1d, runs_bf16
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
                             strip_extra_state, te_modules)
@@ -107,8 +107,6 @@ class TEEngine(Engine):
         engine converts them in place, so it can): Hugging Face ``Conv1D``, a model FSDP2
         sharded before the swap, Hugging Face gradient checkpointing."""
         from torch.distributed.tensor import DTensor
-
-        from .torchao_engine import is_conv1d
 
         modules = list(model.modules())
         if any(is_conv1d(m) for m in modules):
