@@ -137,6 +137,17 @@ class TEEngine(Engine):
         return time_gemm(gemm, tokens, None if config is None else make_te_recipe(config),
                          reps=reps)
 
+    def speed_note(self, model: nn.Module) -> Optional[str]:
+        """A user's model of plain ``nn.Linear`` layers: a swapped ``te.Linear`` measured slower
+        than the model's compiled BF16 (docs/benchmarks.md, "Your own model under
+        FP8Precision"); this package's TE model, with its fused layers and graphs, is not."""
+        if not any(type(m) is nn.Linear for m in self.gemm_modules(model).values()):
+            return None
+        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMM in FP8, its casts "
+                "and every other op eager (torch.compile breaks its graph at each TE module), "
+                "measured slower than the same model's compiled BF16; a torchao recipe "
+                "(recipe: tensorwise) compiles with the model")
+
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
         """Each distinct GEMM shape timed in TE FP8 and in BF16 on this GPU; a module whose
