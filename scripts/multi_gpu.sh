@@ -155,7 +155,8 @@ strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGI
     case $name in
         ddp)          echo "configs/ddp.yaml"; return ;;
         ddp-bf16grad) echo "configs/ddp.yaml --trainer.strategy.init_args.ddp_comm_hook $BF16_HOOK"; return ;;
-        ddp-b[0-9]*)  echo "configs/ddp.yaml --trainer.strategy.init_args.bucket_cap_mb ${name#ddp-b}"; return ;;
+        ddp-b*)       [[ $name =~ ^ddp-b([1-9][0-9]*)$ ]] || { echo "unknown strategy $name (ddp-bN: N MB, a whole number)" >&2; return 1; }
+                      echo "configs/ddp.yaml --trainer.strategy.init_args.bucket_cap_mb ${BASH_REMATCH[1]}"; return ;;
         fsdp*)        args="configs/fsdp.yaml" ;;
         *) echo "unknown strategy $name" >&2; return 1 ;;
     esac
@@ -271,7 +272,8 @@ table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of
     for s in $strategies; do two+=("tp_run $model $batch fp8 $s 2"); done
     [ "$only" != ddp ] && two+=("tp_run $model $batch fp8-tensorwise fsdp 2")
     if [ "$model" = gpt2 ]; then for s in $strategies; do two+=("fabric_run $s 2"); done; fi
-    at_once "${ONE_SETS:-0 1}" "${one[@]}"
+    # SINGLE=0: the two-GPU rows only (a strategy's rows in a later call on the same machine)
+    [ "${SINGLE:-1}" = 1 ] && at_once "${ONE_SETS:-0 1}" "${one[@]}"
     at_once "${SETS:-}" "${two[@]}"
 }
 

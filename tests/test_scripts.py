@@ -183,3 +183,32 @@ def test_the_two_gpu_table_runs_on_gpu_pairs_at_once(tmp_path):
                           ("fabric", "fsdp")])
     pairs = {gpus: {port for g, port, _ in runs if g == gpus} for gpus, _, _ in runs if "," in gpus}
     assert set(pairs) == {"0,1", "2,3"} and len(pairs["0,1"] | pairs["2,3"]) == 2
+
+
+def test_a_ddp_bucket_size_strategy_takes_a_whole_number_of_mb():
+    """multi_gpu.sh's STRATEGIES entry ddp-bN: DDP's gradient buckets of N MB on top of
+    configs/ddp.yaml; anything else after ddp-b is refused (status 1, a line on stderr)."""
+    import subprocess
+
+    def strategy_args(name):
+        return subprocess.run(
+            ["bash", "-c", f'source <(sed -n "/^strategy_args()/,/^}}/p" scripts/multi_gpu.sh); '
+                           f'strategy_args {name}'], cwd=ROOT, capture_output=True, text=True)
+
+    good = strategy_args("ddp-b100")
+    assert good.returncode == 0
+    assert good.stdout.split() == ["configs/ddp.yaml",
+                                   "--trainer.strategy.init_args.bucket_cap_mb", "100"]
+    for bad in ("ddp-b1x", "ddp-b0", "ddp-b"):
+        result = strategy_args(bad)
+        assert result.returncode == 1 and result.stdout == "" and "ddp-bN" in result.stderr, bad
+
+
+def test_a_table_with_single_0_runs_only_its_two_gpu_rows(tmp_path):
+    """multi_gpu.sh table-gpt-1.3b-fsdp with SINGLE=0: the FSDP2 rows of the 1.3B table (plain
+    script, FP8 TE, torchao tensorwise) and no one-GPU run."""
+    calls = multi_gpu_calls(tmp_path, "table-gpt-1.3b-fsdp", "$*", SINGLE="0")
+    runs = [args for (args,) in calls if "plain_pytorch" in args or " fit " in args]
+    assert len(runs) == 3
+    assert all("--nproc_per_node 2" in args or "--trainer.devices 2" in args for args in runs)
+    assert all("fsdp" in args for args in runs)
