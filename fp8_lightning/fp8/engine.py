@@ -34,8 +34,9 @@ class Engine:
         """Why this engine cannot make ``model``'s GEMMs FP8, or None when it can."""
         return None
 
-    def speed_note(self, model: nn.Module) -> Optional[str]:
-        """Why FP8 from this engine is likely slower than ``model``'s compiled BF16, or None."""
+    def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
+        """Why FP8 from this engine is likely slower than ``model``'s compiled BF16, or None
+        (``bf16_modules``: the layers the policy keeps BF16, which :meth:`convert` leaves)."""
         return None
 
     def convert(self, model: nn.Module, config: dict[str, Any],

@@ -284,7 +284,7 @@ class FP8PrecisionBase(FabricPrecision):
             return module
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self.bf16_modules = self._plan_bf16(gpt)
-        slower = self.engine.speed_note(gpt)  # (asked before the engine swaps any layer)
+        slower = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self.fp8_active, self.reason = True, reason

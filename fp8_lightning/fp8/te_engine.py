@@ -137,16 +137,20 @@ class TEEngine(Engine):
         return time_gemm(gemm, tokens, None if config is None else make_te_recipe(config),
                          reps=reps)
 
-    def speed_note(self, model: nn.Module) -> Optional[str]:
-        """A user's model of plain ``nn.Linear`` layers: a swapped ``te.Linear`` measured slower
-        than the model's compiled BF16 (docs/benchmarks.md, "Your own model under
-        FP8Precision"); this package's TE model, with its fused layers and graphs, is not."""
-        if not any(type(m) is nn.Linear for m in self.gemm_modules(model).values()):
+    def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
+        """A user's model of plain ``nn.Linear`` layers that :meth:`convert` swaps: a swapped
+        ``te.Linear`` measured slower than the model's compiled BF16 (TE delayed,
+        docs/benchmarks.md, "Your own model under FP8Precision"); this package's TE model, with
+        its fused layers and graphs, is not."""
+        from .policy import runs_bf16
+
+        if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
+                   for name, m in self.gemm_modules(model).items()):
             return None
-        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMM in FP8, its casts "
-                "and every other op eager (torch.compile breaks its graph at each TE module), "
-                "measured slower than the same model's compiled BF16; a torchao recipe "
-                "(recipe: tensorwise) compiles with the model")
+        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMM in FP8 with its "
+                "casts, and torch.compile breaks its graph at each TE module, so the other ops run "
+                "in fragments or eager; measured slower than the same model's compiled BF16 (TE "
+                "delayed); a torchao recipe (recipe: tensorwise) compiles with the model")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
