@@ -40,6 +40,10 @@
 #   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
 #                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
 #                  extrapolated from those two (time per step linear in the layers)
+#   memory-8b      the memory check against the measured peak: the 8B shape cut to 4 and 8 layers
+#                  (their difference over 4 is what a block costs), FP8 delayed under FSDP2 on
+#                  DEVICES8B GPUs, 1 x 8192 per GPU, 4 steps, for each of AC8B (activation
+#                  checkpointing; default "mlp full none")
 #   throughput-8b  FSDP2 tok/s per GPU of the 8B model (BF16 compiled and FP8 delayed,
 #                  VARIANTS8B_TP) on each of GPUS8B (default 2 4), 1 x 8192 per GPU, STEPS8B steps;
 #                  scaling against the fewest GPUs run
@@ -418,6 +422,18 @@ YAML
     rm -rf "$root/r8-first"
 }
 
+memory8b() {  # the estimate against the peak, per activation checkpointing, at 4 and 8 layers
+    data8k || return
+    local ac n
+    for ac in ${AC8B:-mlp full none}; do
+        for n in 4 8; do
+            LAYERS=$n llama "m8-$ac-l$n" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" \
+                --trainer.max_steps 4 --trainer.log_every_n_steps 2 \
+                --model.activation_checkpointing "$ac"
+        done
+    done
+}
+
 scaling8b() {  # FSDP2 on DEVICES8B GPUs against one GPU, at 4 and 8 layers of the 8B shape
     data8k || return
     local args=(--config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" --trainer.log_every_n_steps 5)
@@ -443,9 +459,10 @@ for j in "$@"; do
         eval-8b)             eval8b ;;
         resume-8b)           resume8b ;;
         scaling-8b)          scaling8b ;;
+        memory-8b)           memory8b ;;
         throughput-8b)       throughput8b ;;
         *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b table-gpt-1.3b-ddp table-gpt-1.3b-fsdp throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
-                "table-8b eval-8b resume-8b scaling-8b throughput-8b"; exit 2 ;;
+                "table-8b eval-8b resume-8b scaling-8b memory-8b throughput-8b"; exit 2 ;;
     esac
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
@@ -453,4 +470,4 @@ $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 keep summary.txt
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
-    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* tp8-*)
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* m8-* tp8-*)

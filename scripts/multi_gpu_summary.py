@@ -1,6 +1,6 @@
 """Summarise ``multi_gpu.sh`` logs: tok/s per strategy and GPU count (median of the monitor's
 lines after the first two and before StepProfile's steps), scaling against one GPU, and the
-loss/resume checks; the 8B table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-``, ``s8-``,
+loss/resume checks; the 8B table, evaluation, resume, scaling and throughput runs (``t8-``, ``e8-``, ``r8-``, ``s8-``, ``m8-``,
 ``tp8-`` logs).
 
 Usage: ``python scripts/multi_gpu_summary.py OUT_DIR``
@@ -21,6 +21,7 @@ VAL = re.compile(r"step (\d+) \| val/loss ([\d.]+)[^\n]*?(?:\| peak mem ([\d.]+)
 FABRIC_LINE = re.compile(r"step +(\d+) \| loss ([\d.]+|nan|inf) \| lr \S+ \| (\d+) ms/step \| "
                          r"tok/s per GPU ([\d,]+)")
 MEMORY = re.compile(r"memory: peak ([\d.]+) GiB in training")
+ESTIMATE = re.compile(r"memory: estimated ([\d.]+) GiB per GPU")
 PROFILED = re.compile(r"profile: steps (\d+)-(\d+)")
 DEVICES = re.compile(r"=== devices: (\d+)")
 
@@ -59,6 +60,7 @@ def read(log: Path) -> dict:
             "val_peak": {int(m[1]): float(m[3]) if m[3] else None for m in vals},
             "last_val": val[max(val)] if val else None,
             "peak": float(peak[1]) if peak else None, "gpus": gpus,
+            "estimate": float(estimate[1]) if (estimate := ESTIMATE.search(text)) else None,
             "text": text}
 
 
@@ -145,6 +147,28 @@ def main8b(out: Path) -> None:
                   f"(t8-fp8-delayed) {full['ms']:.0f} ms/step: efficiency {one32 / full['ms']:.3f}")
 
 
+def memory8b(out: Path) -> None:
+    """memory-8b: the estimate against the measured training peak at 4 and 8 layers, and what a
+    block adds to each (the 8-layer run less the 4-layer one, over 4)."""
+    runs = {p.stem.removeprefix("m8-"): read(p) for p in sorted(out.glob("m8-*.log"))}
+    if not runs:
+        return
+    print("\n8B-shape memory, FSDP2, FP8 delayed, 1 x 8192 per GPU (GiB, rank 0's GPU: the check's"
+          " estimate against the training peak)")
+    for ac in dict.fromkeys(name.rsplit("-l", 1)[0] for name in runs):
+        est, peak = {}, {}
+        for layers in (4, 8):
+            r = runs.get(f"{ac}-l{layers}", {})
+            est[layers], peak[layers] = r.get("estimate"), r.get("peak")
+            ratio = (f"{est[layers] / peak[layers]:.2f}x" if est[layers] and peak[layers]
+                     else "-")
+            print(f"  {ac:<5} {layers} layers: estimate {est[layers] or '-'}, peak "
+                  f"{peak[layers] or '-'} ({ratio})")
+        if all(est.values()) and all(peak.values()):
+            print(f"  {ac:<5} a block: estimate {(est[8] - est[4]) / 4:.2f}, measured "
+                  f"{(peak[8] - peak[4]) / 4:.2f}")
+
+
 # variant, layout (1gpu, or strategy-Ngpu: ddp, ddp-bf16grad, fsdp, fsdp-keep-g4-eager, ...)
 NAME = re.compile(r"^(.+?)-(1gpu|(?:ddp|fsdp)(?:-[a-z0-9]+)*-\d+gpu)$")
 PROFILE_ROW = re.compile(r"^(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", re.M)
@@ -216,6 +240,7 @@ def main(out: Path) -> None:
             for row in profile_rows(r["text"]):
                 print(f"      profile {name}: {row}")
     main8b(out)
+    memory8b(out)
     losses = {p.stem.removeprefix("loss-"): read(p) for p in out.glob("loss-*.log")}
     if losses:
         ref = losses.get("1gpu", {}).get("val", {}).get(200)

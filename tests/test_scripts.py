@@ -212,3 +212,29 @@ def test_a_table_with_single_0_runs_only_its_two_gpu_rows(tmp_path):
     assert len(runs) == 3
     assert all("--nproc_per_node 2" in args or "--trainer.devices 2" in args for args in runs)
     assert all("fsdp" in args for args in runs)
+
+
+def test_the_8b_memory_job_runs_each_checkpointing_at_4_and_8_layers(tmp_path):
+    """multi_gpu.sh memory-8b (a stand-in for python records each fit): FP8 delayed under FSDP2
+    on two GPUs, for each activation checkpointing of AC8B, the 8B shape cut to 4 and to 8
+    layers."""
+    calls = multi_gpu_calls(tmp_path, "memory-8b", "$*", AC8B="mlp full")
+    fits = [args for (args,) in calls if " fit " in args]
+    ran = [(a.split("--model.activation_checkpointing ")[1].split()[0],
+            a.split("--model.config.n_layer ")[1].split()[0]) for a in fits]
+    assert ran == [("mlp", "4"), ("mlp", "8"), ("full", "4"), ("full", "8")]
+    assert all("llama3_8b_fp8" in a and "--trainer.devices 2" in a for a in fits)
+
+
+def test_the_memory_summary_sets_the_estimate_against_the_peak_per_block(tmp_path, capsys):
+    """memory-8b's logs: each run's estimate (the check's line) against its measured peak, and
+    what a block adds to each (8 layers less 4, over 4)."""
+    for layers, estimate, peak in ((4, 30.0, 36.0), (8, 34.0, 48.0)):
+        (tmp_path / f"m8-mlp-l{layers}.log").write_text(
+            "=== devices: 2\nmemory: estimated {:.1f} GiB per GPU (weights 1.0, gradients 1.0, "
+            "optimizer 1.0, activations 1.0; peak: ...) of 79.1 GiB on H100\n"
+            "memory: peak {:.1f} GiB in training (this GPU)\n".format(estimate, peak))
+    summary_module().memory8b(tmp_path)
+    out = capsys.readouterr().out
+    assert "mlp   4 layers: estimate 30.0, peak 36.0 (0.83x)" in out
+    assert "mlp   a block: estimate 1.00, measured 3.00" in out
