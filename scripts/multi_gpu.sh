@@ -72,6 +72,7 @@ STEPS=${STEPS:-120}
 PRECISIONS=${PRECISIONS:-fp8 bf16}  # entries of precision_args
 GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
 STRATEGIES=${STRATEGIES:-ddp fsdp}
+case ${SINGLE:-1} in 0|1) ;; *) echo "error: SINGLE=$SINGLE; valid: 1 (the one-GPU runs too) or 0" >&2; exit 2 ;; esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 PY_DATA_DEFER=1 . scripts/py_data.sh

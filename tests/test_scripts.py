@@ -2,6 +2,10 @@
 figures are the docs' several-GPU tables), and how ``scripts/gpu_tests.sh`` and
 ``scripts/multi_gpu.sh`` spread their runs over a machine's GPUs (python stood in for)."""
 
+import os
+import re
+import subprocess
+
 from tests._runs import ROOT, load_script
 
 
@@ -29,9 +33,6 @@ def stand_in_python(tmp_path, record, gpus="4", pause=""):
 def multi_gpu_calls(tmp_path, job, record, **env):
     """``scripts/multi_gpu.sh JOB`` with python stood in for (:func:`stand_in_python` recording
     ``record``) and its corpora taken as prepared: each recorded call's fields."""
-    import os
-    import subprocess
-
     calls = tmp_path / "calls.txt"
     subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), job], capture_output=True,
                    timeout=60, env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"),
@@ -99,10 +100,6 @@ def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_pa
     files (a pytest per file), as does a GPU without a pair; every GPU test file runs, the
     two-GPU file once per test function; past DEADLINE nothing starts and what is left is
     listed."""
-    import os
-    import re
-    import subprocess
-
     # a pytest takes a moment, so that every GPU gets work
     fake = stand_in_python(tmp_path, "$CUDA_VISIBLE_DEVICES|$*", gpus="$NG", pause="0.3")
     two = "tests/test_gpu_ddp.py"
@@ -188,8 +185,6 @@ def test_the_two_gpu_table_runs_on_gpu_pairs_at_once(tmp_path):
 def test_a_ddp_bucket_size_strategy_takes_a_whole_number_of_mb():
     """multi_gpu.sh's STRATEGIES entry ddp-bN: DDP's gradient buckets of N MB on top of
     configs/ddp.yaml; anything else after ddp-b is refused (status 1, a line on stderr)."""
-    import subprocess
-
     def strategy_args(name):
         return subprocess.run(
             ["bash", "-c", f'source <(sed -n "/^strategy_args()/,/^}}/p" scripts/multi_gpu.sh); '
@@ -238,3 +233,15 @@ def test_the_memory_summary_sets_the_estimate_against_the_peak_per_block(tmp_pat
     out = capsys.readouterr().out
     assert "mlp   4 layers: estimate 30.0, peak 36.0 (0.83x)" in out
     assert "mlp   a block: estimate 1.00, measured 3.00" in out
+
+
+def test_single_takes_0_or_1_and_refuses_anything_else(tmp_path):
+    """multi_gpu.sh SINGLE=yes: one error line naming the variable and its values, status 2,
+    nothing run."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-gpt2"],
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, SINGLE="yes", OUT=str(tmp_path / "out"),
+                                     PYTHON=str(stand_in_python(tmp_path, "$*")),
+                                     CALLS=str(tmp_path / "calls.txt")))
+    assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()
+    assert result.stderr.strip() == "error: SINGLE=yes; valid: 1 (the one-GPU runs too) or 0"
