@@ -30,11 +30,14 @@ The estimate counts, per GPU:
 The backward frees activations while it writes gradients, and the LM head's gradient comes
 first: the peak is ``weights + optimizer + max(activations + head gradient, gradients)``, or
 their sum under gradient accumulation (the gradients of the earlier micro-batches are held).
+That holds because the module drops each step's gradients right after its optimizer step
+(Lightning alone keeps them through the next step's forward).
 
 Measured against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step): 0.95x and
 0.86x on an H100 (GPT-2 124M cut to 4 blocks, 8 x 1024, compiled BF16 and TE FP8;
 ``tests/test_gpu_bench.py``), 0.98-1.01x (compiled BF16) and 1.02-1.27x (TE FP8, which keeps
-fewer activations than counted) against the H200 tables (docs/benchmarks.md). The CUDA
+fewer activations than counted) against the H200 tables, 1.02x (TE FP8) and 1.04x (compiled BF16)
+for Llama-3-8B with ``mlp`` under FSDP2 on two H100s (docs/benchmarks.md). The CUDA
 context and the allocator's fragmentation are not in it: the check compares with the memory free
 *and* already reserved by this process.
 """

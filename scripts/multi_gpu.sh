@@ -40,6 +40,10 @@
 #   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
 #                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
 #                  extrapolated from those two (time per step linear in the layers)
+#   probe-8b       where the memory goes: FP8 delayed under FSDP2 on DEVICES8B GPUs, 2 steps, per
+#                  AC8B (default "mlp"), under scripts/memprobe.py: rank 0's live allocations at
+#                  its first out-of-memory error, grouped by where they were made (OUT/p8-AC.txt;
+#                  MEMPROBE_FRACTION stops a run that fits at that share of the GPU)
 #   memory-8b      the memory check against the measured peak: the 8B shape cut to 4 and 8 layers
 #                  (their difference over 4 is what a block costs), FP8 delayed under FSDP2 on
 #                  DEVICES8B GPUs, 1 x 8192 per GPU, 4 steps, for each of AC8B (activation
@@ -123,8 +127,17 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     local name=$1 devices=$2 start=$SECONDS
     shift 2
     echo "=== devices: $devices" > "$OUT/$name.log"
-    timeout "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start)) s"
+    # timeout leads its own process group, the run's ranks in it: a TERM to this script (a
+    # device call's limit) ends that group too, else the ranks held the GPUs into the next run
+    # ("CUDA-capable device(s) is/are busy"). In the background: bash runs a trap only between
+    # commands, and wait is one.
+    timeout -k 15 "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1 &
+    local pid=$! rc
+    trap 'kill -TERM -- -'$pid' 2>/dev/null; keep "'"$name"'.log"; exit 143' TERM INT
+    wait $pid
+    rc=$?
+    trap - TERM INT
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
     keep "$name.log"
 }
 
@@ -355,10 +368,10 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
     at_once "${SETS8B:-}" "${jobs[@]}"
 }
 
-t8() {  # t8 VARIANT: one run of the seed table
+t8() {  # t8 VARIANT: one run of the seed table (T8_ARGS: overrides for every run, e.g. fp8_eval)
     llama "t8-$1" "$1" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
         --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
-        --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0
+        --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 ${T8_ARGS:-}
 }
 
 throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 compiled and FP8
@@ -435,6 +448,17 @@ memory8b() {  # the estimate against the peak, per activation checkpointing, at 
     done
 }
 
+probe8b() {  # rank 0's live allocations at its first out-of-memory error, per AC8B
+    data8k || return
+    local ac
+    for ac in ${AC8B:-mlp}; do
+        MEMPROBE_OUT=$OUT/p8-$ac.txt PYTHON="$PYTHON scripts/memprobe.py" llama "p8-$ac" \
+            fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps 2 \
+            --trainer.log_every_n_steps 1 --model.activation_checkpointing "$ac"
+        cat "$OUT/p8-$ac.txt" 2>/dev/null && keep "p8-$ac.txt" || echo "p8-$ac: no out-of-memory error"
+    done
+}
+
 scaling8b() {  # FSDP2 on DEVICES8B GPUs against one GPU, at 4 and 8 layers of the 8B shape
     data8k || return
     local args=(--config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" --trainer.log_every_n_steps 5)
@@ -461,9 +485,10 @@ for j in "$@"; do
         resume-8b)           resume8b ;;
         scaling-8b)          scaling8b ;;
         memory-8b)           memory8b ;;
+        probe-8b)            probe8b ;;
         throughput-8b)       throughput8b ;;
         *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b table-gpt-1.3b-ddp table-gpt-1.3b-fsdp throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \
-                "table-8b eval-8b resume-8b scaling-8b memory-8b throughput-8b"; exit 2 ;;
+                "table-8b eval-8b resume-8b scaling-8b memory-8b probe-8b throughput-8b"; exit 2 ;;
     esac
 done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
@@ -471,4 +496,4 @@ $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 keep summary.txt
 # The device returns few, shallow files: the logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
-    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* m8-* tp8-*)
+    (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* m8-* p8-* tp8-*)

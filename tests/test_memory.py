@@ -89,6 +89,12 @@ def test_a_run_that_fits_has_no_problem_and_one_that_does_not_gets_checked_lever
     # 1 x 8192 a GPU, every block checkpointed, weights freed after forward
     ("llama3-8b", dict(batch_size=1, seq_len=8192, shards=2, fp8=True,
                        activation_checkpointing="full"), 66.9),
+    # two H100s, FSDP2, selective checkpointing (mlp), the gradients dropped after each optimizer
+    # step: TE FP8 delayed, and the BF16 twin (PyTorch backend, fp32 residual stream)
+    ("llama3-8b", dict(batch_size=1, seq_len=8192, shards=2, fp8=True,
+                       activation_checkpointing="mlp"), 64.8),
+    ("llama3-8b", dict(batch_size=1, seq_len=8192, shards=2, fp32_residual=True,
+                       activation_checkpointing="mlp"), 64.8),
     # the 1.3B, 8 x 1024 a GPU, weights kept gathered from forward to backward
     ("gpt-1.3b", dict(batch_size=8, seq_len=1024, shards=2, fp8=True, keep_gathered=True), 24.0),
 ])

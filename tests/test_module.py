@@ -130,6 +130,36 @@ def test_the_gradient_norm_is_this_steps_in_every_run_of_the_module():
             assert read == pytest.approx(actual, rel=1e-6) and actual > 0
 
 
+class GradsAtForward(L.Callback):
+    """Whether any parameter holds a gradient when each batch's forward starts."""
+
+    def __init__(self):
+        self.held = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.held.append(any(p.grad is not None for p in module.parameters()))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_no_gradient_outlives_its_optimizer_step_into_the_next_forward(accumulate):
+    """The gradients are dropped after the optimizer step, not (as Lightning does) after the
+    next step's forward, where they would sit beside its activations (the memory estimate's
+    peak: the larger of the two, not their sum); an accumulated step keeps them between its
+    micro-batches."""
+    torch.manual_seed(0)
+    module = GPTLightningModule(GPTConfig(**CONFIG), backend="torch", warmup_steps=1)
+    data = torch.randint(0, 512, (24, 17), generator=torch.Generator().manual_seed(0))
+    check = GradsAtForward()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[check], gradient_clip_val=1.0,
+                        accumulate_grad_batches=accumulate)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step == 3
+    # a step's first micro-batch finds none; the second of an accumulated step finds the first's
+    assert check.held == [False, True] * 3 if accumulate == 2 else check.held == [False] * 3
+
+
 def test_the_memory_check_sees_the_runs_precision_accumulation_compile_and_checkpointing():
     """What the memory check estimates for (fp8_lightning/memory.py): read from the Trainer,
     the FP8 plugin and the data module as a fit configures them."""

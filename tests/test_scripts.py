@@ -245,3 +245,73 @@ def test_single_takes_0_or_1_and_refuses_anything_else(tmp_path):
                                      CALLS=str(tmp_path / "calls.txt")))
     assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()
     assert result.stderr.strip() == "error: SINGLE=yes; valid: 1 (the one-GPU runs too) or 0"
+
+
+def test_the_8b_probe_runs_each_checkpointing_under_the_memory_probe(tmp_path):
+    """multi_gpu.sh probe-8b: FP8 delayed at full depth under FSDP2 on two GPUs, per AC8B, its
+    python started through scripts/memprobe.py (the output file named in MEMPROBE_OUT)."""
+    calls = multi_gpu_calls(tmp_path, "probe-8b", "$MEMPROBE_OUT|$*", AC8B="mlp full")
+    fits = [(out, args) for out, args in calls if " fit " in args]
+    assert [(os.path.basename(out), args.split("--model.activation_checkpointing ")[1].split()[0])
+            for out, args in fits] == [("p8-mlp.txt", "mlp"), ("p8-full.txt", "full")]
+    assert all(args.startswith("scripts/memprobe.py -m fp8_lightning fit") for _, args in fits)
+    assert all("--model.config.n_layer" not in args and "--trainer.devices 2" in args
+               for _, args in fits)
+
+
+def test_the_8b_seed_table_passes_t8_args_to_every_run(tmp_path):
+    """multi_gpu.sh table-8b with T8_ARGS: each variant's run ends with those overrides."""
+    calls = multi_gpu_calls(tmp_path, "table-8b", "$*", VARIANTS8B="fp8-delayed fp8-block",
+                            T8_ARGS="--trainer.plugins.init_args.fp8_eval true")
+    fits = [args for (args,) in calls if " fit " in args]
+    assert len(fits) == 2
+    assert all(args.endswith("--trainer.plugins.init_args.fp8_eval true") for args in fits)
+
+
+def test_the_memory_probe_groups_live_blocks_by_where_they_were_made():
+    """scripts/memprobe.py's summary of a memory snapshot: only live blocks count, grouped by
+    the innermost telling frame and the package frame that called it, largest first."""
+    probe = load_script("scripts/memprobe.py")
+
+    def frames(*where):
+        return [{"filename": f, "line": n, "name": name} for f, n, name in where]
+
+    mlp = frames(("/x/transformer_engine/pytorch/module/layernorm_mlp.py", 500, "forward"),
+                 ("/x/fp8_lightning/model.py", 150, "residual"))
+    head = frames(("/x/torch/nn/functional.py", 10, "linear"), ("/x/fp8_lightning/model.py", 300,
+                                                                  "forward"))
+    gib = probe.GIB
+    snapshot = {"segments": [{"blocks": [
+        {"state": "active_allocated", "size": gib, "frames": mlp},
+        {"state": "active_allocated", "size": gib, "frames": mlp},
+        {"state": "inactive", "size": 5 * gib, "frames": mlp},
+        {"state": "active_allocated", "size": gib // 2, "frames": head}]}]}
+    lines = probe.summary(snapshot, "out of memory").splitlines()
+    assert lines[0] == "out of memory: 2.50 GiB live in 3 blocks"
+    assert lines[2].split() == ["2.000", "2", "transformer_engine:pytorch/module/layernorm_mlp.py:500",
+                                "forward", "<-", "fp8_lightning:model.py:150", "residual"]
+    assert lines[3].split()[:3] == ["0.500", "1", "fp8_lightning:model.py:300"]
+
+
+def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
+    """multi_gpu.sh under an outer timeout (a device call's limit): the run it had started (a
+    stand-in python that sleeps) ends with the script instead of holding the GPUs, and its log
+    is archived."""
+    calls = tmp_path / "calls.txt"
+    archive = tmp_path / "logs.tar"
+    subprocess.run(["timeout", "3", "bash", str(ROOT / "scripts" / "multi_gpu.sh"), "probe-8b"],
+                   capture_output=True, timeout=60,
+                   env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"),
+                            ARCHIVE=str(archive),
+                            PYTHON=str(stand_in_python(tmp_path, "$$|$*", pause="60")),
+                            DATA8K=str(prepared_corpus(tmp_path, "d8"))))
+    pids = [int(pid) for pid, args in (line.split("|") for line in calls.read_text().splitlines())
+            if " fit " in args]
+    assert len(pids) == 1
+    for _ in range(50):  # the group's TERM is sent at once; give it a moment
+        if not os.path.exists(f"/proc/{pids[0]}"):
+            break
+        subprocess.run(["sleep", "0.1"])
+    assert not os.path.exists(f"/proc/{pids[0]}")
+    assert "p8-mlp.log" in subprocess.run(["tar", "tf", str(archive)], capture_output=True,
+                                          text=True).stdout
