@@ -16,6 +16,7 @@ warm-up, the step time, MFU and peak memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,11 +39,18 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=None, help="default: the block size")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
+    parser.add_argument("--n_layer", type=int, default=None, help="cut the model (default: "
+                        "the preset's depth)")
+    parser.add_argument("--activation_checkpointing", choices=("none", "full", "mlp"),
+                        default="none", help="as the package's model.activation_checkpointing "
+                        "(the Llama-3-8B configs' mlp: what fits 80 GB)")
     parser.add_argument("--strategy", choices=("ddp", "ddp-bf16grad", "fsdp", "fsdp-keep"),
                         default="ddp", help="with several processes (torchrun); ddp-bf16grad: "
                         "gradients all-reduced in BF16; fsdp-keep: blocks not resharded after "
                         "forward")
     args = parser.parse_args()
+    if args.n_layer is not None and args.n_layer < 1:
+        parser.error(f"--n_layer {args.n_layer}: a whole number >= 1 (default: the preset's)")
     if args.batch_size < 1 or args.warmup < 0 or args.steps < args.warmup + 20:
         parser.error("--batch_size >= 1, --warmup >= 0 and --steps >= warmup + 20 (two timed "
                      "windows of 10 steps)")
@@ -55,9 +63,11 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=device)
     torch.manual_seed(1337 + local)
     config = GPTConfig.from_name(args.model)
+    if args.n_layer is not None:
+        config = dataclasses.replace(config, n_layer=args.n_layer)
     T = args.seq_len or config.block_size
     with device:
-        model = GPT(config, backend="torch")
+        model = GPT(config, backend="torch", activation_checkpointing=args.activation_checkpointing)
     if world > 1 and args.strategy.startswith("fsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -78,6 +88,9 @@ def main() -> None:
         step_model = torch.compile(ddp)
     else:
         step_model = torch.compile(model)
+    # The step's peak, not the build's (under FSDP2 the model was built whole before sharding).
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
     # As GPTLightningModule.configure_optimizers: weight decay on matrices, not on embeddings,
     # norms or biases (the parameters as the strategy left them: FSDP2's are DTensor shards).
     groups = {True: [], False: []}
@@ -110,7 +123,8 @@ def main() -> None:
     peak = peak_for(torch.cuda.get_device_name(device))
     result = {"script": "plain_pytorch", "model": args.model, "gpus": world,
               "strategy": args.strategy if world > 1 else "single", "batch_size": args.batch_size,
-              "seq_len": T, "ms_per_step": round(ms, 2), "tok_s_per_gpu": round(tok_s),
+              "seq_len": T, "activation_checkpointing": args.activation_checkpointing,
+              "ms_per_step": round(ms, 2), "tok_s_per_gpu": round(tok_s),
               "mfu_pct": round(100 * mfu(tok_s, flops, peak.bf16), 1) if peak else None,
               "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
               "loss": round(loss.item(), 3), "device": torch.cuda.get_device_name(device)}

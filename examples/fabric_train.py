@@ -245,3 +245,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 if __name__ == "__main__":  # (also keeps spawned data-loader workers from re-running it)
     main()
+    # Fabric leaves the process group up; without this, gloo's worker threads can abort the
+    # process at interpreter exit after a good run ("terminate called without an active
+    # exception", exit -6: pytorch/pytorch#190489).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -29,10 +29,14 @@
 #   table-8b       #17's seed table: configs/llama3_8b_{bf16,fp8}.yaml (FSDP2) on DEVICES8B GPUs at
 #                  the same global batch (DEVICES8B x 1 x 8192), STEPS8B steps from one seed on
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
-#                  step; VARIANTS8B (default: all of bf16 fp8-delayed fp8-current fp8-block
-#                  fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8 all-gather)
-#   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true:
-#                  peak memory at evaluation against training's (the reference run crashed there)
+#                  step; VARIANTS8B (default: all of bf16 plain-bf16 fp8-delayed fp8-current
+#                  fp8-block fp8-current-bf16ends fp8-tensorwise; also fp8-tensorwise-ag, float8
+#                  all-gather). plain-bf16: benchmarks/plain_pytorch.py, FSDP2, PLAIN8B_AC
+#                  (default mlp), PLAIN8B_STEPS (default 60, at least 40) on random tokens: speed
+#                  only, the BF16 baseline where it is faster than the package's bf16
+#   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
+#                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
+#                  against training's (the reference run crashed there)
 #   resume-8b      FP8 delayed: 19 steps uninterrupted, twice (the run-to-run spread); 10 steps
 #                  with a sharded checkpoint at the end, resumed from it to 19; the resumed losses
 #                  at 11-19 against the whole run's, and the spread (the ~96 GB checkpoint goes
@@ -62,7 +66,7 @@
 # at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
-# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, VARIANTS8B_TP, DATA8K (default
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
@@ -127,13 +131,15 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     local name=$1 devices=$2 start=$SECONDS
     shift 2
     echo "=== devices: $devices" > "$OUT/$name.log"
-    # timeout leads its own process group, the run's ranks in it: a TERM to this script (a
-    # device call's limit) ends that group too, else the ranks held the GPUs into the next run
-    # ("CUDA-capable device(s) is/are busy"). In the background: bash runs a trap only between
-    # commands, and wait is one.
+    # timeout leads its own process group (the run's ranks in it): a TERM to this script (a
+    # device call's limit) must end that group too, or the ranks held the GPUs into the next run
+    # ("CUDA-capable device(s) is/are busy"). Run in the background, as bash runs a trap only
+    # between commands and wait is one; the trap runs once (timeout's group kill sends a second
+    # TERM) and waits for the run (KILL 15 s after the TERM), so the GPUs are free on return.
     timeout -k 15 "${FIT_TIMEOUT:-420}" "$@" >> "$OUT/$name.log" 2>&1 &
     local pid=$! rc
-    trap 'kill -TERM -- -'$pid' 2>/dev/null; keep "'"$name"'.log"; exit 143' TERM INT
+    trap 'trap "" TERM INT; kill -TERM -- '$pid' -'$pid' 2>/dev/null; wait '$pid'
+          keep "'"$name"'.log"; exit 143' TERM INT
     wait $pid
     rc=$?
     trap - TERM INT
@@ -260,6 +266,9 @@ at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script'
     # rendezvous port; with no set, one after the other on the default GPUs
     local sets=($1) i=0 job
     shift
+    # A TERM to this script ends the runs of the background jobs too (each job's logged ends its
+    # own run), and waits for them.
+    [ ${#sets[@]} -gt 0 ] && trap 'trap "" TERM INT; kill -TERM $(jobs -p) 2>/dev/null; wait; exit 143' TERM INT
     for job in "$@"; do
         if [ ${#sets[@]} = 0 ]; then eval "$job"; continue; fi
         local port=$((29600 + 10 * i))
@@ -269,6 +278,7 @@ at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script'
         [ "$i" = 0 ] && wait
     done
     wait
+    trap - TERM INT
 }
 
 table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one call
@@ -362,13 +372,22 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
     # with DEVICES8B=2: half the wall time; the runs share the host)
     data8k || return
     local v jobs=()
-    for v in ${VARIANTS8B:-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
+    for v in ${VARIANTS8B:-bf16 plain-bf16 fp8-delayed fp8-current fp8-block fp8-current-bf16ends fp8-tensorwise}; do
         jobs+=("t8 $v")
     done
     at_once "${SETS8B:-}" "${jobs[@]}"
 }
 
 t8() {  # t8 VARIANT: one run of the seed table (T8_ARGS: overrides for every run, e.g. fp8_eval)
+    if [ "$1" = plain-bf16 ]; then  # the same model in benchmarks/plain_pytorch.py's loop, speed only
+        echo "=== t8-plain-bf16: $DEVICES8B GPU(s)"
+        logged t8-plain-bf16 "$DEVICES8B" $PYTHON -m torch.distributed.run --nproc_per_node \
+            "$DEVICES8B" benchmarks/plain_pytorch.py --model llama3-8b ${LAYERS:+--n_layer $LAYERS} \
+            --batch_size 1 --strategy fsdp --activation_checkpointing "${PLAIN8B_AC:-mlp}" \
+            --steps "${PLAIN8B_STEPS:-60}" --warmup 20
+        tail -n1 "$OUT/t8-plain-bf16.log"
+        return
+    fi
     llama "t8-$1" "$1" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
         --trainer.log_every_n_steps 5 --trainer.val_check_interval "$STEPS8B" \
         --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 ${T8_ARGS:-}
@@ -388,7 +407,7 @@ throughput8b() {  # FSDP2 tok/s per GPU of the 8B model on each of GPUS8B, BF16 
 
 eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
     data8k || return
-    for e in false true; do
+    for e in ${EVAL8B:-false true}; do
         llama "e8-fp8eval-$e" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" \
             --trainer.max_steps 20 --trainer.log_every_n_steps 5 --trainer.val_check_interval 10 \
             --trainer.limit_val_batches 4 --trainer.num_sanity_val_steps 0 \
@@ -452,6 +471,7 @@ probe8b() {  # rank 0's live allocations at its first out-of-memory error, per A
     data8k || return
     local ac
     for ac in ${AC8B:-mlp}; do
+        rm -f "$OUT/p8-$ac.txt"  # (an earlier call's)
         MEMPROBE_OUT=$OUT/p8-$ac.txt PYTHON="$PYTHON scripts/memprobe.py" llama "p8-$ac" \
             fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps 2 \
             --trainer.log_every_n_steps 1 --model.activation_checkpointing "$ac"

@@ -82,6 +82,29 @@ def test_a_run_that_fits_has_no_problem_and_one_that_does_not_gets_checked_lever
     problem = fit_problem(config, RunShape(8, 8192, fp8=True), 80 * GIB)
     assert "model.activation_checkpointing: full and FSDP2 over" in problem
     assert problem.count("(not enough)") == 2 and not problem.endswith("(not enough)")
+    assert ": mlp" not in problem  # (offered only where it is enough)
+
+
+def test_without_checkpointing_the_cheaper_mlp_recompute_is_the_first_lever():
+    """Llama-3-8B on two 80 GB H100s under FSDP2 without activation checkpointing (94 GiB): the
+    first lever is mlp (it fits, and recomputes less than full), then full; where mlp is not
+    enough it is not offered."""
+    config = GPTConfig.from_name("llama3-8b")
+    problem = fit_problem(config, RunShape(1, 8192, shards=2, fp8=True), 77.4 * GIB, gpus=2)
+    levers = problem.split("levers: ")[1].split("; ")
+    mlp = estimate_memory(config, RunShape(1, 8192, shards=2, fp8=True,
+                                           activation_checkpointing="mlp")).total / GIB
+    assert levers[0] == f"model.activation_checkpointing: mlp -> {mlp:.1f} GiB"
+    assert levers[1].startswith("model.activation_checkpointing: full -> ")
+    # a run already recomputing its MLPs is offered full, not mlp again
+    problem = fit_problem(config, RunShape(1, 8192, shards=2, fp8=True,
+                                           activation_checkpointing="mlp"), 60 * GIB, gpus=2)
+    assert ": mlp" not in problem and "model.activation_checkpointing: full" in problem
+    # one block in two recomputing its MLPs: mlp on every block, said so (the lever's estimate)
+    problem = fit_problem(config, RunShape(1, 8192, shards=2, fp8=True, activation_checkpointing="mlp",
+                                           activation_checkpointing_every=2), 77.4 * GIB, gpus=2)
+    assert problem.split("levers: ")[1].startswith(
+        f"model.activation_checkpointing: mlp, model.activation_checkpointing_every: 1 -> {mlp:.1f} GiB")
 
 
 @pytest.mark.parametrize("name, run, peak_gib", [

@@ -2,9 +2,11 @@
 figures are the docs' several-GPU tables), and how ``scripts/gpu_tests.sh`` and
 ``scripts/multi_gpu.sh`` spread their runs over a machine's GPUs (python stood in for)."""
 
+import json
 import os
 import re
 import subprocess
+import sys
 
 from tests._runs import ROOT, load_script
 
@@ -315,3 +317,91 @@ def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
     assert not os.path.exists(f"/proc/{pids[0]}")
     assert "p8-mlp.log" in subprocess.run(["tar", "tf", str(archive)], capture_output=True,
                                           text=True).stdout
+
+
+def test_the_8b_evaluation_job_runs_the_fp8_eval_values_asked(tmp_path):
+    """multi_gpu.sh eval-8b: BF16 then FP8 evaluation by default; EVAL8B=true runs only FP8's."""
+    def evals(**env):
+        where = tmp_path / str(len(env))
+        where.mkdir()
+        calls = multi_gpu_calls(where, "eval-8b", "$*", **env)
+        return [a.split("--trainer.plugins.init_args.fp8_eval ")[1].split()[0]
+                for (a,) in calls if " fit " in a]
+
+    assert evals() == ["false", "true"]
+    assert evals(EVAL8B="true") == ["true"]
+
+
+def test_a_term_to_the_script_alone_ends_the_runs_it_started_at_once(tmp_path):
+    """multi_gpu.sh table-8b with SETS8B (two runs at once in background jobs), then a TERM to
+    the script's process only: it ends both runs before it exits."""
+    calls = tmp_path / "calls.txt"
+    script = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, CALLS=str(calls), OUT=str(tmp_path / "out"), SETS8B="0,1 2,3",
+                 VARIANTS8B="bf16 fp8-delayed",
+                 PYTHON=str(stand_in_python(tmp_path, "$$|$*", pause="60")),
+                 DATA8K=str(prepared_corpus(tmp_path, "d8"))))
+    try:
+        for _ in range(100):  # both runs started
+            lines = calls.read_text().splitlines() if calls.exists() else []
+            runs = [line for line in lines if " fit " in line]
+            if len(runs) == 2:
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert len(runs) == 2
+        script.terminate()
+        assert script.wait(timeout=30) == 143
+        pids = [int(line.split("|")[0]) for line in runs]
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    finally:
+        script.kill()
+
+
+def test_the_8b_table_s_plain_script_row_runs_its_loop_and_sets_the_baseline_when_faster(
+        tmp_path, capsys):
+    """table-8b's plain-bf16 variant runs benchmarks/plain_pytorch.py under torchrun (FSDP2, the
+    configs' mlp checkpointing, speed only); the summary takes the faster BF16 (package or plain
+    script) as the speedup's baseline and the package's BF16 for the val loss."""
+    calls = multi_gpu_calls(tmp_path, "table-8b", "$*", VARIANTS8B="plain-bf16")
+    (plain_args,) = [a for (a,) in calls if "plain_pytorch" in a]
+    assert plain_args.startswith("-m torch.distributed.run --nproc_per_node 2")
+    assert "--model llama3-8b --batch_size 1 --strategy fsdp --activation_checkpointing mlp" \
+        in plain_args
+
+    out = tmp_path / "logs"
+    out.mkdir()
+
+    def monitor_log(name, ms, val):
+        tok_s = round(2 * 8192 / ms * 1000)
+        (out / f"t8-{name}.log").write_text(
+            "=== devices: 2\n" + "".join(
+                f"step {s} | loss 4.0 | lr 1e-4 | norm 1.0 | dt {ms}ms | tok/s {tok_s:,} | "
+                f"mfu 40.0% | x\n" for s in (5, 10, 15, 20)) +
+            f"step 20 | val/loss {val} | val/ppl 1 | peak mem 40.0 GiB (training 60.0 GiB)\n"
+            "memory: peak 60.0 GiB in training, 40.0 GiB in validation (this GPU)\n")
+
+    monitor_log("bf16", 1200.0, 5.0)
+    monitor_log("fp8-delayed", 800.0, 5.05)
+    (out / "t8-plain-bf16.log").write_text("=== devices: 2\n" + json.dumps(
+        {"script": "plain_pytorch", "gpus": 2, "ms_per_step": 1000.0, "tok_s_per_gpu": 8192,
+         "mfu_pct": 48.0, "peak_mem_gib": 61.0}) + "\n")
+    summary_module().main8b(out)
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and "variant" not in line}
+    assert rows["plain-bf16"][1:4] == ["1.000", "8,192", "1.00x"]
+    assert rows["bf16"][3] == "0.83x"
+    assert rows["fp8-delayed"][3] == "1.25x"  # over the plain script's 1.000 s/it
+    assert rows["fp8-delayed"][-1] == "+1.00%"  # val loss against the package's BF16
+
+
+def test_the_plain_script_refuses_a_depth_or_checkpointing_it_cannot_run():
+    """benchmarks/plain_pytorch.py --n_layer 0 or an unknown --activation_checkpointing: exit
+    2 with an error line naming the flag, before any GPU work."""
+    for bad in (["--n_layer", "0"], ["--activation_checkpointing", "some"]):
+        result = subprocess.run([sys.executable, "benchmarks/plain_pytorch.py", *bad], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert result.returncode == 2 and len(errors) == 1 and bad[0] in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
