@@ -517,6 +517,11 @@ class GPTLightningModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Nothing to do: optimizer_step has dropped the gradients (a second pass over every
+        parameter per step saved on the host)."""
+
+    @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss, tokens = self.loss(batch)
         self.val_loss.update(loss, weight=tokens)

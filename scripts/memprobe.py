@@ -63,7 +63,7 @@ def summary(snapshot: dict, why: str) -> str:
              "GiB      count  where (innermost telling frame <- innermost fp8_lightning frame)"]
     for key, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:40]:
         lines.append(f"{size / GIB:7.3f}  {count:5d}  {key}")
-    lines.append("largest block sizes (MiB x count): " + ", ".join(
+    lines.append("block sizes holding the most (MiB x count): " + ", ".join(
         f"{s / 2**20:.0f} x {n}" for s, n in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:12]))
     return "\n".join(lines) + "\n"
 

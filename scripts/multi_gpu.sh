@@ -193,19 +193,22 @@ strategy_args() {  # strategy_args NAME: the overlay and overrides of a STRATEGI
 }
 BF16_HOOK=torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook
 
-plain_run() {  # plain_run MODEL BATCH single|ddp|fsdp GPUS: one run of benchmarks/plain_pytorch.py
-    local model=$1 batch=$2 s=$3 n=$4 name
-    local args=(--model "$model" --batch_size "$batch" --steps "$STEPS")
+plain_run() {  # plain_run MODEL BATCH single|ddp|fsdp GPUS [NAME [ARGS...]]: one run of
+    # benchmarks/plain_pytorch.py, STEPS steps; NAME its log's (default plain-MODEL-...), ARGS more
+    # of its flags
+    local model=$1 batch=$2 s=$3 n=$4 name=${5:-}
+    shift $(( $# < 5 ? $# : 5 ))
+    local args=(--model "$model" --batch_size "$batch")
     if [ "$s" = single ]; then
-        name="plain-$model-1gpu"
+        name=${name:-plain-$model-1gpu}
         echo "=== $name"
         CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} logged "$name" 1 \
-            $PYTHON benchmarks/plain_pytorch.py "${args[@]}"
+            $PYTHON benchmarks/plain_pytorch.py "${args[@]}" "$@" --steps "$STEPS"
     else
-        name="plain-$model-$s-${n}gpu"
+        name=${name:-plain-$model-$s-${n}gpu}
         echo "=== $name"
         logged "$name" "$n" $PYTHON -m torch.distributed.run --nproc_per_node "$n" \
-            benchmarks/plain_pytorch.py "${args[@]}" --strategy "$s"
+            benchmarks/plain_pytorch.py "${args[@]}" --strategy "$s" "$@" --steps "$STEPS"
     fi
     tail -n1 "$OUT/$name.log"
 }
@@ -380,12 +383,8 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
 
 t8() {  # t8 VARIANT: one run of the seed table (T8_ARGS: overrides for every run, e.g. fp8_eval)
     if [ "$1" = plain-bf16 ]; then  # the same model in benchmarks/plain_pytorch.py's loop, speed only
-        echo "=== t8-plain-bf16: $DEVICES8B GPU(s)"
-        logged t8-plain-bf16 "$DEVICES8B" $PYTHON -m torch.distributed.run --nproc_per_node \
-            "$DEVICES8B" benchmarks/plain_pytorch.py --model llama3-8b ${LAYERS:+--n_layer $LAYERS} \
-            --batch_size 1 --strategy fsdp --activation_checkpointing "${PLAIN8B_AC:-mlp}" \
-            --steps "${PLAIN8B_STEPS:-60}" --warmup 20
-        tail -n1 "$OUT/t8-plain-bf16.log"
+        STEPS=${PLAIN8B_STEPS:-60} plain_run llama3-8b 1 fsdp "$DEVICES8B" t8-plain-bf16 \
+            --activation_checkpointing "${PLAIN8B_AC:-mlp}" --warmup 20 ${LAYERS:+--n_layer $LAYERS}
         return
     fi
     llama "t8-$1" "$1" "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps "$STEPS8B" \
