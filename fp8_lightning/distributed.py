@@ -41,7 +41,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
 from typing_extensions import override
@@ -267,6 +267,16 @@ def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
                                                                  if why else ""))
 
 
+def ddp_is_faster(fits_one_gpu: Optional[bool]) -> Optional[str]:
+    """Why DDP would train this FSDP2 run faster, where the run fits one GPU unsharded."""
+    if not fits_one_gpu:
+        return None
+    # Measured for GPT-2 124M and 1.3B on both engines (docs/benchmarks.md, "Several GPUs").
+    return ("FSDP2: this run fits one GPU unsharded, where DDP (configs/ddp.yaml) trains faster "
+            "(FSDP2 gathers the weights in Python hooks at every step and its blocks run without "
+            "CUDA graphs: docs/several-gpus.md); FSDP2 pays where the model does not fit")
+
+
 class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 data parallelism over every device: each block's parameters, gradients and optimizer
     state sharded across ranks, the model gathered block by block in forward and backward.
@@ -350,6 +360,9 @@ class FSDP2Strategy(ModelParallelStrategy):
                                               self.blocks_per_unit,
                                               getattr(module, "fits_one_gpu", None))
         rank_zero_info(f"FSDP2: {how}")
+        advice = ddp_is_faster(getattr(module, "fits_one_gpu", None))
+        if advice:
+            rank_zero_warn(advice)
         shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
                     reshard_after_forward=reshard, blocks_per_unit=per_unit)
         # fully_shard replaced each parameter by its DTensor shard: the weights as they are now

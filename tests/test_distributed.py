@@ -144,6 +144,15 @@ def test_fsdp2_layout_follows_the_settings_and_the_memory_estimate():
     assert "12 blocks in 1 unit(s)" in fsdp2_layout(gpt2, None, None, True)[2]
 
 
+def test_fsdp2_on_a_run_that_fits_one_gpu_says_ddp_is_faster():
+    """The FSDP2 strategy's advice: DDP where the memory estimate says the run fits one GPU
+    unsharded; nothing where it does not, or where nothing was estimated (no GPU)."""
+    from fp8_lightning.distributed import ddp_is_faster
+
+    assert "configs/ddp.yaml" in ddp_is_faster(True)
+    assert ddp_is_faster(False) is None and ddp_is_faster(None) is None
+
+
 def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
     root, first, second = fsdp_runs
     last = root / "checkpoints" / "last.ckpt"

@@ -72,7 +72,8 @@ def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, **plu
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("arch", ["nanogpt", "llama"])
-def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recipe, tmp_path):
+def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recipe, tmp_path,
+                                                                      caplog):
     module, n_gemms = build(arch, tmp_path)
     plain_keys = set(module.state_dict())
     first = "transformer.h.0.c_attn" if arch == "nanogpt" else "model.layers.0.self_attn.q_proj"
@@ -84,6 +85,9 @@ def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recip
     swapped = module.model.get_submodule(first)
     assert swapped.weight is weight  # the user's own parameter, in a te.Linear or in place
     assert type(swapped).__module__.startswith("transformer_engine") == (recipe == "delayed")
+    # the swapped te.Linear layers measured slower than compiled BF16: a TE recipe says so
+    warned = "runs this model's nn.Linear layers as te.Linear" in caplog.text
+    assert warned == (recipe == "delayed")
     assert float(trainer.callback_metrics["train/loss"]) < 5.0  # uniform: ln 512 = 6.24
     # the checkpoint holds the user's model's keys exactly, loadable without FP8 (strict)
     ckpt = tmp_path / f"{arch}-{recipe}.ckpt"

@@ -34,6 +34,11 @@ class Engine:
         """Why this engine cannot make ``model``'s GEMMs FP8, or None when it can."""
         return None
 
+    def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
+        """Why FP8 from this engine is likely slower than ``model``'s compiled BF16, or None
+        (``bf16_modules``: the layers the policy keeps BF16, which :meth:`convert` leaves)."""
+        return None
+
     def convert(self, model: nn.Module, config: dict[str, Any],
                 bf16_modules: dict[str, str]) -> list[Any]:
         """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove."""

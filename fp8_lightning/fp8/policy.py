@@ -87,10 +87,15 @@ def runs_bf16(name: str, bf16_modules: dict[str, str]) -> bool:
     return any(name == k or name.startswith(k + ".") for k in bf16_modules)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face GPT-2's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def gemm_weights(module: nn.Module) -> dict[str, tuple[int, int]]:
     """``{weight name: (out, in)}`` of a GEMM module's own matrices (two for ``LayerNormMLP``;
     Hugging Face's ``Conv1D`` stores its weight (in, out))."""
-    flip = type(module).__name__ == "Conv1D"
+    flip = is_conv1d(module)
     return {name: tuple(p.shape[::-1] if flip else p.shape)
             for name, p in module.named_parameters(recurse=False) if p.ndim == 2}
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
-from .policy import runs_bf16
+from .policy import is_conv1d, runs_bf16
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
                             strip_extra_state, te_modules)
@@ -108,8 +108,6 @@ class TEEngine(Engine):
         sharded before the swap, Hugging Face gradient checkpointing."""
         from torch.distributed.tensor import DTensor
 
-        from .torchao_engine import is_conv1d
-
         modules = list(model.modules())
         if any(is_conv1d(m) for m in modules):
             return ("the model's GEMMs are Hugging Face Conv1D layers (weights stored (in, out)), "
@@ -138,6 +136,21 @@ class TEEngine(Engine):
 
         return time_gemm(gemm, tokens, None if config is None else make_te_recipe(config),
                          reps=reps)
+
+    def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
+        """A user's model of plain ``nn.Linear`` layers that :meth:`convert` swaps: a swapped
+        ``te.Linear`` measured slower than the model's compiled BF16 (TE delayed,
+        docs/benchmarks.md, "Your own model under FP8Precision"); this package's TE model, with
+        its fused layers and graphs, is not."""
+        from .policy import runs_bf16
+
+        if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
+                   for name, m in self.gemm_modules(model).items()):
+            return None
+        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMM in FP8 with its "
+                "casts, and torch.compile breaks its graph at each TE module, so the other ops run "
+                "in fragments or eager; measured slower than the same model's compiled BF16 (TE "
+                "delayed); a torchao recipe (recipe: tensorwise) compiles with the model")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:

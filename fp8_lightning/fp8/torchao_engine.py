@@ -33,7 +33,7 @@ from torch import nn
 
 from ..te_support import gpu_fp8_capable
 from .engine import Engine
-from .policy import gemm_weights, runs_bf16
+from .policy import gemm_weights, is_conv1d, runs_bf16
 
 TORCHAO_MIN_VERSION = "0.12"  # Float8LinearConfig.from_recipe_name with the three recipes
 TORCHAO_REQUIREMENT = RequirementCache(f"torchao>={TORCHAO_MIN_VERSION}")
@@ -143,11 +143,6 @@ def forget_float8_scales(weights: list[torch.Tensor]) -> None:
     next :func:`precompute_float8_scales`, never a stale one."""
     for w in weights:
         getattr(w, "_local_tensor", w)._precomputed_scale = None
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face GPT-2's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def route_linear(module: nn.Module) -> None:

@@ -143,6 +143,11 @@ def test_the_te_engine_says_which_users_models_it_cannot_swap(tmp_path):
     model, _ = pair()
     assert te.cannot_convert(model) is None
     assert len(te.gemm_modules(model)) == 4 * 4 + 1  # the user's nn.Linear layers, the head too
+    # swapped te.Linear layers measured slower than the model's compiled BF16: the plugin says so
+    assert "a torchao recipe (recipe: tensorwise)" in te.speed_note(model, {})
+    assert get_engine("torchao").speed_note(model, {}) is None
+    # nothing to say where the policy keeps every nn.Linear BF16 (nothing is swapped)
+    assert te.speed_note(model, {name: "kept" for name in te.gemm_modules(model)}) is None
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4))
     assert "Conv1D" in te.cannot_convert(gpt2)
