@@ -38,9 +38,9 @@
 #   eval-8b        FP8 delayed with validation every 10 steps, BF16 (default) then fp8_eval: true
 #                  (EVAL8B: the fp8_eval values, default "false true"): peak memory at evaluation
 #                  against training's (the reference run crashed there)
-#   resume-8b      FP8 delayed: 19 steps uninterrupted, twice (the run-to-run spread); 10 steps
-#                  with a sharded checkpoint at the end, resumed from it to 19; the resumed losses
-#                  at 11-19 against the whole run's, and the spread (the ~90 GB checkpoint goes
+#   resume-8b      FP8 delayed: R8_TO (19) steps uninterrupted, twice (the run-to-run spread);
+#                  R8_AT (10) steps with a sharded checkpoint at the end, resumed from it; the
+#                  resumed losses after R8_AT against the whole run's, and the spread (the ~90 GB checkpoint goes
 #                  under R8_ROOT, default /tmp/multi_gpu_8b, and is deleted after)
 #   scaling-8b     tok/s per GPU of FSDP2 on DEVICES8B GPUs against one GPU, the 8B shape cut to
 #                  4 and 8 layers (one GPU cannot hold 32); the full depth's one-GPU figure is
@@ -67,7 +67,7 @@
 # at once, each pair with its own rendezvous port;
 # for the
 # 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
-# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, DATA8K (default
+# GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, R8_AT, R8_TO, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
@@ -432,28 +432,32 @@ trainer:
   callbacks:  # throughput.yaml's, plus the checkpoint: the runs differ only by the resume
     - class_path: fp8_lightning.Checkpoint
       init_args:
-        every_n_train_steps: 10
+        every_n_train_steps: R8_AT
         save_top_k: 0
     - class_path: fp8_lightning.NaNGuard
     - class_path: fp8_lightning.TrainingMonitor
       init_args:
         sample_prompt: null
 YAML
-    # One schedule for all four runs (the LR decays over 19 steps, not over each run's max_steps).
-    local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps 19)
+    # R8_AT / R8_TO (default 10 / 19): the checkpoint's step and the last one. One schedule for
+    # all four runs (the LR decays over R8_TO steps, not over each run's max_steps); later steps
+    # (e.g. 30 / 40, past the warm-up's loss swings) make a tighter check for the same cost.
+    local at=${R8_AT:-10} to=${R8_TO:-19}
+    local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps "$to")
     # Twice: no two runs are bitwise equal (atomics in the backward), and in these first steps
     # (loss 13 -> 5) a small difference grows; the resumed run is judged against that spread.
     local again
+    sed -i "s/R8_AT/$at/" "$OUT/resume8b.yaml"
     for again in whole again; do
         llama "r8-$again" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
-            --trainer.max_steps 19
+            --trainer.max_steps "$to"
     done
     llama r8-first fp8-delayed "$DEVICES8B" --config "$OUT/resume8b.yaml" "${args[@]}" \
-        --trainer.max_steps 10 --trainer.default_root_dir "$root/r8-first"
+        --trainer.max_steps "$at" --trainer.default_root_dir "$root/r8-first"
     du -sh "$root/r8-first/checkpoints/last.ckpt" | tee "$OUT/r8-ckpt-size.txt"
     $PYTHON -m fp8_lightning checkpoints "$root/r8-first" | tee "$OUT/r8-checkpoints.txt"
     llama r8-resumed fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
-        --trainer.max_steps 19 --ckpt_path "$root/r8-first/checkpoints/last.ckpt"
+        --trainer.max_steps "$to" --ckpt_path "$root/r8-first/checkpoints/last.ckpt"
     rm -rf "$root/r8-first"
 }
 

@@ -107,19 +107,22 @@ def main8b(out: Path) -> None:
         b = {step: loss for step, loss, *_ in read(resumed)["lines"]}
         c = {step: loss for step, loss, *_ in read(again)["lines"]} if again.exists() else {}
 
-        def gap(x: dict) -> tuple[list[int], Optional[float]]:
+        def gap(x: dict) -> tuple[list[int], str]:
+            """The steps compared and the worst / mean relative gap to the whole run over them."""
             common = sorted(set(a) & set(x) & set(b))
-            return common, max((abs(x[k] - a[k]) / a[k] for k in common), default=None)
+            gaps = [abs(x[k] - a[k]) / a[k] for k in common]
+            return common, (f"worst {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}"
+                            if gaps else "-")
 
-        common, worst = gap(b)
+        common, gaps = gap(b)
         first = f"{abs(b[common[0]] - a[common[0]]) / a[common[0]]:.2e}" if common else "-"
-        print(f"\n8B resume from the sharded step-10 checkpoint: {len(common)} steps compared "
+        at = common[0] - 1 if common else "?"
+        print(f"\n8B resume from the sharded step-{at} checkpoint: {len(common)} steps compared "
               f"({common[0] if common else '-'}..{common[-1] if common else '-'}); relative loss "
-              f"gap at the first {first}, worst {'-' if worst is None else f'{worst:.2e}'}")
+              f"gap at the first {first}, {gaps}")
         if c:
-            spread = gap(c)[1]
-            print(f"      two uninterrupted runs over the same steps: worst relative gap "
-                  f"{'-' if spread is None else f'{spread:.2e}'} (the run-to-run spread)")
+            print(f"      two uninterrupted runs over the same steps: relative gap {gap(c)[1]} "
+                  "(the run-to-run spread)")
         for pattern in ("FP8 scaling state restored for \\d+ TE modules", "data: resumed at [^\\n]*"):
             if m := re.search(pattern, resumed.read_text(errors="replace")):
                 print(f"      {m[0]}")

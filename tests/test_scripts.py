@@ -428,3 +428,37 @@ def test_the_plain_script_refuses_a_depth_or_checkpointing_it_cannot_run():
         errors = [line for line in result.stderr.splitlines() if "error:" in line]
         assert result.returncode == 2 and len(errors) == 1 and bad[0] in errors[0], result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_the_8b_resume_check_runs_at_the_steps_asked_and_sets_the_gap_against_the_spread(
+        tmp_path, capsys):
+    """resume-8b with R8_AT=30 R8_TO=40: two whole runs to 40, one to 30 checkpointing at 30 on
+    disk under R8_ROOT, resumed from it to 40; the summary gives the resumed run's gap to the
+    whole run (worst and mean over 31..40) beside the two whole runs' (the spread)."""
+    root = tmp_path / "ckpts"
+    calls = multi_gpu_calls(tmp_path, "resume-8b", "$*", R8_AT="30", R8_TO="40",
+                            R8_ROOT=str(root))
+    fits = [a for (a,) in calls if " fit " in f" {a} "]
+    assert len(fits) == 4 and all("--model.lr_decay_steps 40" in a for a in fits)
+    assert [a.split("--trainer.max_steps ")[1].split()[0] for a in fits] == ["40", "40", "30", "40"]
+    assert f"--ckpt_path {root}/r8-first/checkpoints/last.ckpt" in fits[3]
+    import tarfile  # the job's files end in its log archive
+
+    with tarfile.open(tmp_path / "out" / "multi_gpu_logs.tgz") as logs:
+        config = next(m for m in logs.getmembers() if m.name.endswith("resume8b.yaml"))
+        assert "every_n_train_steps: 30" in logs.extractfile(config).read().decode()
+
+    out = tmp_path / "logs"
+    out.mkdir()
+    for name, losses in (("whole", [4.0] * 40), ("again", [4.0] * 30 + [4.4] * 10),
+                         ("resumed", [None] * 30 + [4.2] * 9 + [4.0])):
+        (out / f"r8-{name}.log").write_text("".join(
+            f"step {s} | loss {loss} | lr 1e-4 | norm 1.0 | dt 700.0ms | tok/s 23,000 | "
+            "mfu 60.0% | x\n"
+            for s, loss in enumerate(losses, 1) if loss is not None))
+    summary_module().main8b(out)
+    text = capsys.readouterr().out
+    assert ("8B resume from the sharded step-30 checkpoint: 10 steps compared (31..40); relative "
+            "loss gap at the first 5.00e-02, worst 5.00e-02, mean 4.50e-02") in text
+    assert "two uninterrupted runs over the same steps: relative gap worst 1.00e-01, mean " \
+        "1.00e-01 (the run-to-run spread)" in text
