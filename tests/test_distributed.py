@@ -123,6 +123,27 @@ def test_fsdp2_groups_small_blocks_in_one_unit_keeps_the_root_and_gathers_bf16(f
     assert len({b["param_dtype"] for b in blocks + [root_unit]}) == 1
 
 
+def built_on(device, config):
+    """Where FSDP2Strategy's init context, on ``device``, puts a tensor built for ``config``."""
+    from fp8_lightning.distributed import FSDP2Strategy
+
+    strategy = FSDP2Strategy()
+    strategy.parallel_devices = [torch.device(device)]
+    strategy.connect(GPTLightningModule(config))
+    with strategy.tensor_init_context():
+        built = torch.empty(1).device.type
+    with strategy.tensor_init_context(empty_init=True):
+        assert torch.empty(1).is_meta  # asked for the meta device: Lightning's way
+    return built
+
+
+def test_fsdp2_builds_on_the_cpu_when_its_device_is_the_cpu():
+    """(On a GPU the model builds there: test_gpu_fast_path.)"""
+    from fp8_lightning.config import GPTConfig
+
+    assert built_on("cpu", GPTConfig.from_name("gpt2")) == "cpu"
+
+
 def test_fsdp2_layout_follows_the_settings_and_the_memory_estimate():
     """FSDP2Strategy's layout: given settings as given; otherwise weights kept gathered only when
     the run fits one GPU unsharded (not when it does not, nor when unknown), and blocks grouped

@@ -190,6 +190,16 @@ def test_te_fp8_under_fsdp2_on_one_gpu_trains_compiled_without_graphs(tmp_path, 
     assert sharded[20] < sharded[1] - 1 and worst < 0.05
 
 
+def test_fsdp2_builds_the_model_on_the_gpu_unless_it_would_crowd_it():
+    """Lightning's ModelParallelStrategy builds on the CPU (about two minutes for Llama-3-8B under
+    torchrun); FSDP2Strategy builds on the GPU, where the whole model waits for fully_shard,
+    unless its fp32 parameters would take more than half the free memory."""
+    from tests.test_distributed import built_on
+
+    assert built_on("cuda:0", GPTConfig.from_name("gpt2")) == "cuda"
+    assert built_on("cuda:0", GPTConfig.from_name("llama3-8b", n_layer=800)) == "cpu"  # ~100B
+
+
 @pytest.mark.parametrize("recipe, batch_size", [("delayed", 8), ("delayed", 16),
                                                ("tensorwise", 16)])  # TE, and torchao's graphs
 def test_short_fit_within_3_percent_of_bench(tmp_path, blocks, recipe, batch_size):
