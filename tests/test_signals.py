@@ -87,3 +87,22 @@ def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tmp_path, small
         "error: stopped by SIGTERM at step 4"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert saved_step(tmp_path) == 4
+
+
+def test_a_killed_run_leaves_no_loader_worker_behind(tmp_path, small_vocab):
+    """SIGKILL gives the trainer no chance to stop its loader workers (they start from a
+    forkserver, not as its forked children): they end with it. The run's output pipe reaches its
+    end only once nothing of the run holds it."""
+    cmd = [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
+           *small_vocab, "--trainer.max_steps", "1000", "--trainer.log_every_n_steps", "1",
+           "--trainer.default_root_dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 3 |"):
+            break
+    proc.kill()
+    assert proc.wait(timeout=30) == -9, "".join(seen[-20:])
+    proc.communicate(timeout=60)  # TimeoutExpired: a worker outlived the run

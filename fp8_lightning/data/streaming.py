@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import random
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -96,6 +98,36 @@ def _check_split(split_dir: Path) -> list[str]:
             problems.append(f"{path} has {path.stat().st_size} bytes where {index.name} records "
                             f"{size} (truncated or overwritten)")
     return problems
+
+
+def worker_start(num_workers: int) -> dict[str, Any]:
+    """How loader workers start: from a forkserver, not forked from the trainer. A fork copies
+    the trainer's threads' locks as they are: on Python before 3.12 a worker forked while another
+    thread held the interpreter's runtime lock (the previous loader's queue threads exiting, at the
+    sanity check -> training or an epoch boundary) hangs for ever in its start-up, and the run with
+    it (python/cpython#112275; seen in a two-rank CPU fit). Python 3.14 makes forkserver the
+    default. Windows (no forkserver) spawns."""
+    if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
+        return {}
+    # the forkserver imports these once; each worker forks from it instead of importing torch
+    multiprocessing.set_forkserver_preload(["torch", "litdata", __name__])
+    return {"multiprocessing_context": "forkserver", "worker_init_fn": _end_with_the_trainer}
+
+
+def _end_with_the_trainer(worker_id: int) -> None:
+    """A forkserver's worker is the forkserver's child, so torch's watchdog (has my parent
+    changed?) watches the forkserver, which lives as long as its workers: after a trainer killed
+    mid-run they would live on. multiprocessing's parent sentinel is the trainer's: a thread
+    ends the worker when it closes."""
+    trainer = multiprocessing.parent_process()
+    if trainer is not None:
+        threading.Thread(target=_exit_after, args=(trainer,), daemon=True,
+                         name="fp8-lightning: end with the trainer").start()
+
+
+def _exit_after(trainer: Any) -> None:
+    trainer.join()
+    os._exit(0)
 
 
 @functools.cache
@@ -300,6 +332,7 @@ class TokenShardDataModule(L.LightningDataModule):
         return _checked_loader_class()(dataset, batch_size=self.batch_size,
                                        num_workers=self.num_workers, drop_last=True,
                                        pin_memory=torch.cuda.is_available(),
+                                       **worker_start(self.num_workers),
                                        vocab_size=self._vocab_size(), where=f"data.data_dir="
                                        f"{self.dataset_dir!r} ({split} split)")
 

@@ -158,3 +158,20 @@ def test_embedded_corpus_cache_is_keyed_by_the_tokenizers_content(tmp_path):
     assert cache(one / "tokenizer.json") != cache(two / "tokenizer.json")
     assert cache(one) == cache(three)  # the same tokenizer.json elsewhere: the same cache
     assert cache("gpt2").endswith("tinyshakespeare-gpt2-s64")
+
+
+def test_loader_workers_start_from_a_forkserver_not_a_fork_of_the_trainer(dataset):
+    """A worker forked while another thread of the trainer held the interpreter's runtime lock
+    hangs in its start-up on Python < 3.12 (python/cpython#112275; seen as a two-rank CPU fit whose
+    rank 1 waited for ever on its first batch): workers start from a forkserver and stream as
+    before. (That they end with a killed trainer: tests/test_signals.py.)"""
+    dm = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=2, num_workers=1,
+                              shuffle=False)
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
+        assert next(iter(loader)).shape == (2, 17)
+    no_workers = TokenShardDataModule(data_dir=str(dataset), seq_len=16, batch_size=2,
+                                      num_workers=0, shuffle=False)
+    no_workers.setup("fit")
+    assert no_workers.train_dataloader().multiprocessing_context is None
