@@ -8,7 +8,9 @@ Usage:
     python benchmarks/own_model.py --model llama-1b --variants bf16 tensorwise delayed
 
 Prints one JSON line per variant (tok/s: the median of 10-step windows after the warm-up, the
-precision that ran, peak memory), then a table with each variant over the faster BF16.
+precision that ran, peak memory), then a table with each variant over the faster BF16 and, from
+``StepProfile`` over 5 steps after the timed ones, each step's GPU compute and GPU idle (host-bound)
+milliseconds: what to optimise.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
+PROFILED = 5  # steps profiled after the timed ones
 
 
 def lit_module(name: str, compile: bool):
@@ -91,6 +94,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
     import lightning as L
     import torch
 
+    from fp8_lightning.callbacks.profile import StepProfile
     from fp8_lightning.fp8 import FP8Precision
 
     recipe, compile, settings = VARIANTS[variant]
@@ -108,14 +112,17 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
     L.seed_everything(0)
     module = lit_module(model, compile)
     vocab = dims["vocab_size"]
-    data = torch.randint(0, vocab, (steps * batch, SEQ + 1))
+    data = torch.randint(0, vocab, ((steps + PROFILED + 1) * batch, SEQ + 1))
     plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
-    trainer = L.Trainer(max_steps=steps, accelerator="gpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
+    # profiled after the timed steps: the profiler's own cost stays out of tok/s
+    profile = StepProfile(start_step=steps, steps=PROFILED)
+    trainer = L.Trainer(max_steps=steps + PROFILED + 1, accelerator="gpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
-                        callbacks=[Clock()], **({"plugins": [plugin]} if plugin else
-                                                {"precision": "bf16-mixed"}))
+                        callbacks=[Clock(), profile], **({"plugins": [plugin]} if plugin else
+                                                         {"precision": "bf16-mixed"}))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True))
+    split = (profile.result or [{}])[0]
     rates = [10 * tokens / (b - a) for a, b in zip(times, times[1:])]
     graphs = getattr(plugin, "graphs", None)
     return {"model": model, "variant": variant, "tok_s": round(statistics.median(rates)),
@@ -123,6 +130,8 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
             "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
             "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            **{k: round(split[k], 2) for k in ("step_ms", "compute_ms", "gpu_idle_ms")
+               if split.get(k) is not None},
             "gpu": torch.cuda.get_device_name()}
 
 
@@ -161,12 +170,13 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     bf16 = max((r["tok_s"] for r in results if r["variant"].startswith("bf16")), default=None)
     print(f"\n| {args.model} | tok/s | over the faster BF16 | precision | FP8 GEMM modules | "
-          "block graphs |")
-    print("|---|---|---|---|---|---|")
+          "block graphs | step ms (profiled) | GPU compute ms | GPU idle ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['tok_s'] / bf16:.2f}x" if bf16 else "-"
         print(f"| {r['variant']} | {r['tok_s']:,} | {ratio} | {r['precision']} | "
-              f"{r['fp8_modules_ran']} | {r['graphs']} |")
+              f"{r['fp8_modules_ran']} | {r['graphs']} | {r.get('step_ms', '-')} | "
+              f"{r.get('compute_ms', '-')} | {r.get('gpu_idle_ms', '-')} |")
 
 
 if __name__ == "__main__":
