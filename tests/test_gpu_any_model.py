@@ -106,6 +106,42 @@ def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recip
         assert torch.equal(a.cpu(), b.cpu())
 
 
+def test_the_examples_layernorms_run_inside_the_gemm_module_after_them():
+    """TE delayed on the example's blocks: ln_1 -> c_attn and ln_2 -> c_fc become one
+    te.LayerNormLinear each (the norm an identity holding its own parameters), the other linears
+    te.Linear; the state dict keeps the user's keys, and with FP8 off the logits are the plain
+    model's within BF16 rounding."""
+    import copy
+
+    from fp8_lightning.fp8 import build_recipe_config, get_engine
+    from fp8_lightning.fp8.norm_fusion import FusedNorm
+
+    torch.manual_seed(0)
+    model = example().NanoGPT(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4,
+                              n_embd=128).cuda()
+    twin = copy.deepcopy(model)
+    engine = get_engine("te")
+    engine.convert(model, build_recipe_config("delayed"), {"lm_head": "fp8_lm_head=false"})
+    for block in model.transformer.h:
+        assert type(block.c_attn).__name__ == type(block.c_fc).__name__ == "LayerNormLinear"
+        assert type(block.c_proj).__name__ == type(block.mlp_proj).__name__ == "Linear"
+        assert isinstance(block.ln_1, FusedNorm) and isinstance(block.ln_2, FusedNorm)
+        assert block.c_attn.layer_norm_weight is block.ln_1.weight
+        assert block.c_fc.layer_norm_bias is block.ln_2.bias
+    assert list(model.state_dict()) == list(twin.state_dict())
+    model.load_state_dict(twin.state_dict())  # strict: a plain model's checkpoint loads
+    idx = torch.randint(0, VOCAB, (2, T), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with engine.context(False):
+            fused = model(idx).float()
+        plain = twin(idx).float()
+    assert (fused - plain).abs().max() < 0.05 * plain.abs().max(), (fused - plain).abs().max()
+    with torch.autocast("cuda", dtype=torch.bfloat16), engine.context(True):
+        model(idx).float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert len(engine.modules_ran(model)) == 8
+
+
 @pytest.mark.parametrize("arch", ["nanogpt", "llama"])
 def test_a_users_blocks_replay_as_cuda_graphs_and_train_as_they_do_eagerly(arch, tmp_path):
     """TE delayed: each block of the user's model is captured at the second step and replayed

@@ -6,17 +6,22 @@ doctor and the statistics callback ask this module instead of TE.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
-from .policy import is_conv1d, runs_bf16
+from .norm_fusion import FusedNorm, fusable_pairs, layernorm_linear_like
+from .policy import find_blocks, is_conv1d, runs_bf16
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
                             strip_extra_state, te_modules)
+
+log = logging.getLogger(__name__)
 
 
 def make_te_recipe(config: dict[str, Any]) -> Any:
@@ -176,15 +181,25 @@ class TEEngine(Engine):
         self.recipe = make_te_recipe(config)
         hooks = []
         # A user's nn.Linear that runs FP8 becomes a te.Linear with the same parameters (TE
-        # runs FP8 only in its own modules); those kept BF16 stay nn.Linear.
-        for name, module in self.gemm_modules(model).items():
-            if type(module) is nn.Linear and not runs_bf16(name, bf16_modules):
-                parent, _, attr = name.rpartition(".")
+        # runs FP8 only in its own modules), or a te.LayerNormLinear with the LayerNorm before
+        # it where nothing else reads the norm's output; those kept BF16 stay nn.Linear.
+        swap = [name for name, module in self.gemm_modules(model).items()
+                if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
+        norms = self._fusable_norms(model, swap)
+        for name in swap:
+            module = model.get_submodule(name)
+            parent, _, attr = name.rpartition(".")
+            if name in norms:
+                norm_parent, _, norm_attr = norms[name].rpartition(".")
+                norm = model.get_submodule(norms[name])
+                swapped = layernorm_linear_like(norm, module)
+                setattr(model.get_submodule(norm_parent), norm_attr, FusedNorm(norm, name))
+            else:
                 swapped = te_linear_like(module)
-                setattr(model.get_submodule(parent), attr, swapped)
-                # kept for the module's life (the swap is permanent): not among the hooks returned
-                swapped.register_state_dict_post_hook(drop_extra_state)
-                swapped.register_load_state_dict_pre_hook(expect_no_extra_state)
+            setattr(model.get_submodule(parent), attr, swapped)
+            # kept for the module's life (the swap is permanent): not among the hooks returned
+            swapped.register_state_dict_post_hook(drop_extra_state)
+            swapped.register_load_state_dict_pre_hook(expect_no_extra_state)
         modules = dict(model.named_modules())
         for name in bf16_modules:
             active: list[Any] = []  # the open te.autocast(enabled=False) region of this module
@@ -204,6 +219,24 @@ class TEEngine(Engine):
             hooks.append(module.register_state_dict_post_hook(strip_extra_state))
             hooks.append(module.register_load_state_dict_pre_hook(drop_foreign_extra_state))
         return hooks
+
+    @staticmethod
+    def _fusable_norms(model: nn.Module, swap: list[str]) -> dict[str, str]:
+        """``{linear name: norm name}``: the swapped linears whose LayerNorm TE computes with
+        them (:mod:`.norm_fusion`), said once in the log."""
+        prefix, n = find_blocks(model)
+        if not n or not swap:
+            return {}
+        pairs, why = fusable_pairs(model.get_submodule(prefix), prefix)
+        pairs = {linear: norm for linear, norm in pairs.items() if linear in swap}
+        if pairs:
+            rank_zero_only(log.info)("TE: %d LayerNorms computed by the GEMM after them "
+                                     "(te.LayerNormLinear), e.g. %s -> %s", len(pairs),
+                                     *next(iter((v, k) for k, v in pairs.items())))
+        else:
+            rank_zero_only(log.info)("TE: no LayerNorm computed by a GEMM module (%s)",
+                                     why or "their linears stay BF16")
+        return pairs
 
     def context(self, fp8: bool, amax_group: Any = None) -> Any:
         return te_module().autocast(enabled=fp8, recipe=self.recipe,
