@@ -479,8 +479,11 @@ def consolidate_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -
     checkpoint: dict[str, Any] = {}
     reader = SafeFileSystemReader(path)
     try:
-        _load_state_dict(checkpoint, storage_reader=reader,
-                         planner=_SafeEmptyStateDictLoadPlanner(path), no_dist=True)
+        # The planner makes its tensors on the default device: the CPU even when the caller
+        # builds its model on a GPU (FSDP2Strategy), or every rank would hold all of it there.
+        with torch.device("cpu"):
+            _load_state_dict(checkpoint, storage_reader=reader,
+                             planner=_SafeEmptyStateDictLoadPlanner(path), no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - many types for torn shards
         failure = _dcp_failure(err, reader)
         if isinstance(failure, CheckpointError):

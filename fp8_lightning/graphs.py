@@ -367,6 +367,7 @@ class ModelBlockGraphs:
         self._fingerprint: tuple = ()
         self._waited = 0
         self._other_state = 0  # training forwards in another FP8 state than the capture's
+        self._switched = 0  # recordings whose blocks all ran in another FP8 state than the step
         self._told_eager = False
         self.calls: dict[int, _Call] = {}
         self.order: list[int] = []
@@ -458,6 +459,16 @@ class ModelBlockGraphs:
         params = self._params()
         fp8 = fp8_now()
         order = [i for i in self.order if self.calls[i].fp8 == fp8]  # the others run eagerly
+        if not order:
+            self._switched += 1
+            if self._switched <= self.WAIT:  # FP8 switched since the recording (a fallback)
+                log.info("CUDA graphs of the model's blocks: FP8 %s since the recording; "
+                         "recording their calls again", "on" if fp8 else "off")
+                self.remove()
+                self._record()
+                return
+            self._off("no block ran in the FP8 state of the training step")
+            return
         why = next((f"block {i}'s call cannot be replayed: {c.unsupported}"
                     for i, c in self.calls.items() if c.unsupported), "")
         why = why or next((f"block {i} has a forward of its own on the instance (a wrapper "
@@ -469,8 +480,6 @@ class ModelBlockGraphs:
             why = "FSDP2's hooks run in Python, outside a replay"
         if not why and te_debug_on():
             why = "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
-        if not why and not order:
-            why = "no block ran in the FP8 state of the training step"
         if why:
             self._off(why)
             return

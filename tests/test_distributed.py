@@ -233,6 +233,18 @@ def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+def test_a_sharded_checkpoint_consolidates_on_the_cpu_whatever_the_default_device(fsdp_runs):
+    """FSDP2Strategy builds (and so reads model.init_from) under its GPU as the default device;
+    the consolidated checkpoint still lands on the CPU, not whole on every rank's GPU (here the
+    meta device stands in for the GPU)."""
+    from fp8_lightning.checkpoint import consolidate_checkpoint
+
+    with torch.device("meta"):
+        state = consolidate_checkpoint(fsdp_runs[0] / "checkpoints" / "last.ckpt")
+    tensors = list(state["state_dict"].values())
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+
+
 def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
     transformers = pytest.importorskip("transformers")
     from fp8_lightning.commands.generate import load_model

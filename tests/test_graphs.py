@@ -218,3 +218,21 @@ def test_graphs_captured_in_another_fp8_state_are_recorded_again_after_a_few_for
             owner.before_step()
     assert owner.status == "recording" and "forward" not in block.__dict__
     assert "FP8 off since the capture; recording its calls again" in caplog.text
+
+
+def test_fp8_switched_between_recording_and_capture_records_again_then_gives_up(caplog):
+    """The blocks' calls were recorded with FP8 on and the capture step runs with it off (a
+    fallback in between): they are recorded again, to be captured in the state training runs in;
+    a model whose blocks never run in the training step's FP8 state stops trying, and says so."""
+    block = TinyBlock()
+    graphs = ModelBlockGraphs([block])
+    for attempt in range(ModelBlockGraphs.WAIT + 1):
+        block(torch.randn(2, 16, 32))
+        graphs.calls[0].fp8 = True  # recorded under FP8; the step now runs in BF16
+        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+            graphs.before_step()
+        if attempt < ModelBlockGraphs.WAIT:
+            assert graphs.status == "recording" and graphs.calls == {}
+            assert "FP8 off since the recording; recording their calls again" in caplog.text
+    assert graphs.status == "off: no block ran in the FP8 state of the training step"
+    assert not block._forward_pre_hooks

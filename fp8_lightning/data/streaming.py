@@ -100,7 +100,7 @@ def _check_split(split_dir: Path) -> list[str]:
     return problems
 
 
-def worker_start(num_workers: int) -> dict[str, Any]:
+def worker_start(num_workers: int, rank: int = 0) -> dict[str, Any]:
     """How loader workers start: from a forkserver, not forked from the trainer. A fork copies
     the trainer's threads' locks as they are: on Python before 3.12 a worker forked while another
     thread held the interpreter's runtime lock (the previous loader's queue threads exiting, at the
@@ -111,14 +111,20 @@ def worker_start(num_workers: int) -> dict[str, Any]:
         return {}
     # the forkserver imports these once; each worker forks from it instead of importing torch
     multiprocessing.set_forkserver_preload(["torch", "litdata", __name__])
-    return {"multiprocessing_context": "forkserver", "worker_init_fn": _end_with_the_trainer}
+    return {"multiprocessing_context": "forkserver",
+            "worker_init_fn": functools.partial(_end_with_the_trainer, rank=rank)}
 
 
-def _end_with_the_trainer(worker_id: int) -> None:
+def _end_with_the_trainer(worker_id: int, rank: int) -> None:
     """A forkserver's worker is the forkserver's child, so torch's watchdog (has my parent
     changed?) watches the forkserver, which lives as long as its workers: after a trainer killed
     mid-run they would live on. multiprocessing's parent sentinel is the trainer's: a thread
-    ends the worker when it closes."""
+    ends the worker when it closes. Lightning seeds the worker as it would have (``seed_everything
+    (workers=True)``; it adds its own ``worker_init_fn`` only where the loader has none)."""
+    if os.environ.get("PL_SEED_WORKERS") == "1":
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id, rank=rank)
     trainer = multiprocessing.parent_process()
     if trainer is not None:
         threading.Thread(target=_exit_after, args=(trainer,), daemon=True,
@@ -332,9 +338,12 @@ class TokenShardDataModule(L.LightningDataModule):
         return _checked_loader_class()(dataset, batch_size=self.batch_size,
                                        num_workers=self.num_workers, drop_last=True,
                                        pin_memory=torch.cuda.is_available(),
-                                       **worker_start(self.num_workers),
+                                       **worker_start(self.num_workers, self._rank()),
                                        vocab_size=self._vocab_size(), where=f"data.data_dir="
                                        f"{self.dataset_dir!r} ({split} split)")
+
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
 
     def _vocab_size(self) -> Optional[int]:
         """Token ids must be below this: the dataset's tokenizer, else the model's vocabulary."""
