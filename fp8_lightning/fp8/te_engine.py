@@ -225,7 +225,7 @@ class TEEngine(Engine):
         """``{linear name: norm name}``: the swapped linears whose LayerNorm TE computes with
         them (:mod:`.norm_fusion`), said once in the log."""
         prefix, n = find_blocks(model)
-        if not n or not swap:
+        if not n or not swap or te_modules(model):  # TE's own blocks fuse their norms already
             return {}
         pairs, why = fusable_pairs(model.get_submodule(prefix), prefix)
         pairs = {linear: norm for linear, norm in pairs.items() if linear in swap}
