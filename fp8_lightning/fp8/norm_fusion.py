@@ -65,26 +65,11 @@ class FusedNorm(nn.Module):
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, computed in {self.into}"
 
 
-def layernorm_linear_like(norm: nn.LayerNorm, linear: nn.Linear) -> nn.Module:
-    """A ``te.LayerNormLinear`` holding ``norm``'s and ``linear``'s own parameters (the same
-    objects: an optimizer made before, weight tying and checkpoints keep working), built on the
-    meta device. Its state dict leaves out the norm's copy (the norm's own key has it)."""
-    from ..te_support import te_module
-
-    te = te_module()
-    weight = linear.weight
-    new = te.LayerNormLinear(linear.in_features, linear.out_features, eps=norm.eps,
-                             bias=linear.bias is not None, normalization="LayerNorm",
-                             params_dtype=weight.dtype, device="meta")
-    new.weight, new.layer_norm_weight, new.layer_norm_bias = weight, norm.weight, norm.bias
-    if linear.bias is not None:
-        new.bias = linear.bias
-    else:  # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
-        new.bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
-    new.train(linear.training)
-    new.register_state_dict_post_hook(_drop_norm_copy)
-    new.register_load_state_dict_pre_hook(_keep_norm_copy)
-    return new
+def keep_norm_keys(fused: nn.Module) -> None:
+    """A ``te.LayerNormLinear`` holding a user's norm's parameters: its state dict leaves out
+    the norm's copy (the norm's own key has it) and loads without one."""
+    fused.register_state_dict_post_hook(_drop_norm_copy)
+    fused.register_load_state_dict_pre_hook(_keep_norm_copy)
 
 
 def _drop_norm_copy(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:

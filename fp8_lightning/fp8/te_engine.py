@@ -15,7 +15,7 @@ from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
-from .norm_fusion import FusedNorm, fusable_pairs, layernorm_linear_like
+from .norm_fusion import FusedNorm, fusable_pairs, keep_norm_keys
 from .policy import find_blocks, is_conv1d, runs_bf16
 from .recipes import RECIPES
 from .scaling_state import (drop_foreign_extra_state, export_fp8_scaling, import_fp8_scaling,
@@ -59,14 +59,20 @@ def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in modules.items() if not isinstance(m, attention)}
 
 
-def te_linear_like(linear: nn.Linear) -> nn.Module:
+def te_linear_like(linear: nn.Linear, norm: Optional[nn.LayerNorm] = None) -> nn.Module:
     """A ``te.Linear`` holding ``linear``'s own parameters: the same ``weight`` / ``bias`` objects
     under the same names, so an optimizer made before (Fabric), weight tying and the user's
-    checkpoints keep working. Built on the meta device: nothing is allocated twice."""
+    checkpoints keep working. Built on the meta device: nothing is allocated twice. With
+    ``norm``: a ``te.LayerNormLinear`` holding the norm's parameters too (:mod:`.norm_fusion`)."""
     te = te_module()
     weight = linear.weight
-    new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    params_dtype=weight.dtype, device="meta")
+    kwargs = dict(bias=linear.bias is not None, params_dtype=weight.dtype, device="meta")
+    if norm is None:
+        new = te.Linear(linear.in_features, linear.out_features, **kwargs)
+    else:
+        new = te.LayerNormLinear(linear.in_features, linear.out_features, eps=norm.eps,
+                                 normalization="LayerNorm", **kwargs)
+        new.layer_norm_weight, new.layer_norm_bias = norm.weight, norm.bias
     new.weight = weight
     if linear.bias is not None:
         new.bias = linear.bias
@@ -192,7 +198,8 @@ class TEEngine(Engine):
             if name in norms:
                 norm_parent, _, norm_attr = norms[name].rpartition(".")
                 norm = model.get_submodule(norms[name])
-                swapped = layernorm_linear_like(norm, module)
+                swapped = te_linear_like(module, norm)
+                keep_norm_keys(swapped)
                 setattr(model.get_submodule(norm_parent), norm_attr, FusedNorm(norm, name))
             else:
                 swapped = te_linear_like(module)
