@@ -24,7 +24,8 @@ import gc
 import inspect
 import logging
 import types
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -276,8 +277,9 @@ class _Call:
 
     CONSTANT = (type(None), bool, int, float, str)
 
-    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple, kwargs: dict[str, Any], training: bool = True) -> None:
         self.fp8 = fp8_now()  # the FP8 state the call ran in (a BF16-policy block's: off)
+        self.training = training  # the block's mode (dropout and the like are captured in it)
         self.unsupported = ""
         self.args = tuple(self._record(a, f"positional argument {i}") for i, a in enumerate(args))
         self.tensor_kwargs: dict[str, Any] = {}
@@ -343,9 +345,10 @@ class _BoundBlock(nn.Module):
 class ModelBlockGraphs:
     """CUDA graphs of another model's blocks (a user's module under ``FP8Precision`` on the TE
     engine, whose swapped ``te.Linear`` calls cost more host time than GPU time): each block's
-    first training call is recorded, the blocks are captured at the next training step (a graph
-    per block, in the order the model called them) and a block then replays its graph whenever
-    its call matches the recorded one in the FP8 state it was captured in; any other call (eval,
+    first call in a training forward (:meth:`training_forward`) is recorded, the blocks are
+    captured at the next training step (a graph per block, in the order the model called them)
+    and a block then replays its graph whenever its call matches the recorded one in the FP8
+    state and the ``train()``/``eval()`` mode it was captured in; any other call (evaluation,
     a BF16 fallback, another shape, under ``torch.compile``, a second call before the first's
     backward) runs the block's own forward. Parameters moved or (un)frozen since the capture:
     recorded and captured again, as after a few training forwards in another FP8 state (a BF16
@@ -369,6 +372,7 @@ class ModelBlockGraphs:
         self._other_state = 0  # training forwards in another FP8 state than the capture's
         self._switched = 0  # recordings whose blocks all ran in another FP8 state than the step
         self._told_eager = False
+        self.in_training = False  # inside the plugin's training forward (training_forward)
         self.calls: dict[int, _Call] = {}
         self.order: list[int] = []
         if len({id(b) for b in self.blocks}) != len(self.blocks):
@@ -384,11 +388,22 @@ class ModelBlockGraphs:
 
     def _recorder(self, i: int) -> Callable:
         def record(block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            if block.training and torch.is_grad_enabled() and i not in self.calls and \
+            if self.in_training and torch.is_grad_enabled() and i not in self.calls and \
                     not torch.compiler.is_compiling():
-                self.calls[i] = _Call(args, kwargs)
+                self.calls[i] = _Call(args, kwargs, block.training)
                 self.order.append(i)
         return record
+
+    @contextmanager
+    def training_forward(self) -> Iterator[None]:
+        """The plugin's training forward: what is recorded and replayed. Not the blocks'
+        ``training`` flag: a Hugging Face model from ``from_pretrained`` trains in ``eval()`` mode
+        unless its user calls ``train()`` (a replay still needs the mode of its capture)."""
+        before, self.in_training = self.in_training, True
+        try:
+            yield
+        finally:
+            self.in_training = before
 
     def _params(self) -> list[nn.Parameter]:
         return [p for block in self.blocks for p in block.parameters()]
@@ -549,8 +564,8 @@ class _Replay:
         return _no_replay, ()
 
     def allows(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-        if not (block.training and torch.is_grad_enabled()) or self.in_flight or \
-                fp8_now() != self.owner.fp8:
+        if not (self.owner.in_training and torch.is_grad_enabled()) or self.in_flight or \
+                block.training != self.call.training or fp8_now() != self.owner.fp8:
             return False
         if self.call.matches(args, kwargs):
             return True

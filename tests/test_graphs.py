@@ -85,7 +85,10 @@ def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
         expected = model(idx)
     assert graphs.calls == {} and graphs.status == "recording"  # evaluation is not recorded
     model.train()
-    model(idx)
+    model(idx)  # outside the plugin's training forward: not recorded either
+    assert graphs.calls == {}
+    with graphs.training_forward():
+        model(idx)
     assert sorted(graphs.calls) == [0, 1, 2]
     # the residual stream, which carries the embeddings' gradient
     assert all(graphs.calls[i].args[0].key == ((2, 16, 32), torch.float32, True) for i in range(3))
@@ -96,6 +99,21 @@ def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(idx), expected)
+
+
+def test_a_model_left_in_eval_mode_is_recorded_in_the_plugins_training_forward():
+    """``from_pretrained`` leaves a Hugging Face model in ``eval()``, and Lightning trains it so
+    (with a warning): its training forwards are recorded, with the mode, which a replay needs."""
+    own = load_script("examples/own_model.py")
+    model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32).eval()
+    graphs = ModelBlockGraphs(model.transformer.h)
+    with graphs.training_forward():
+        model(torch.randint(0, 128, (2, 16)))
+        with torch.no_grad():
+            model.transformer.h[0](torch.randn(2, 16, 32))  # no gradient: not a training call
+    assert sorted(graphs.calls) == [0, 1]
+    assert not any(call.training for call in graphs.calls.values())
+    assert graphs.calls[0].args[0].key[2]  # the recorded call is the one under grad
 
 
 class TinyBlock(torch.nn.Module):  # importable, so that pickle can find it
@@ -130,12 +148,14 @@ def test_a_copy_of_a_captured_block_runs_its_own_forward_with_its_own_weights():
     torch.manual_seed(0)
     block = TinyBlock()
     x = torch.randn(2, 16, 32)
-    captured(block, x)
-    assert block(x) == "replayed"
+    owner = captured(block, x)
+    with owner.training_forward():
+        assert block(x) == "replayed"
     twin = copy.deepcopy(block)
     with torch.no_grad():
         next(twin.parameters()).add_(1.0)  # the copy's weights are its own
-    assert torch.equal(twin(x), type(twin).forward(twin, x))
+    with owner.training_forward():
+        assert torch.equal(twin(x), type(twin).forward(twin, x))
     assert pickle.loads(pickle.dumps(block))(x).shape == x.shape
 
 
@@ -147,17 +167,19 @@ def test_a_replay_waits_for_its_backward_or_the_step_end_and_other_calls_run_eag
     block = TinyBlock()
     x = torch.randn(2, 16, 32)
     owner = captured(block, x)
-    assert block(x) == "replayed"
-    assert torch.equal(block(x), type(block).forward(block, x))  # the first call's still live
-    owner.step_end()
-    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+    assert isinstance(block(x), torch.Tensor)  # outside a training forward: never replayed
+    with owner.training_forward():
         assert block(x) == "replayed"
+        assert torch.equal(block(x), type(block).forward(block, x))  # the first's still live
         owner.step_end()
-        assert isinstance(block(x[:, :8]), torch.Tensor)
-        assert isinstance(block(x[:, :4]), torch.Tensor)
-    assert caplog.text.count("other tensor shapes") == 1
-    block.eval()
-    assert isinstance(block(x), torch.Tensor)
+        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+            assert block(x) == "replayed"
+            owner.step_end()
+            assert isinstance(block(x[:, :8]), torch.Tensor)
+            assert isinstance(block(x[:, :4]), torch.Tensor)
+        assert caplog.text.count("other tensor shapes") == 1
+        block.eval()  # another mode than the capture's
+        assert isinstance(block(x), torch.Tensor)
     assert owner.replays == 2
 
 
@@ -184,7 +206,8 @@ def test_blocks_never_called_in_training_turn_the_graphs_off_and_say_which():
     x = torch.randn(2, 16, 32)
     for _ in range(ModelBlockGraphs.WAIT + 1):
         graphs.before_step()
-        model.transformer.h[0](x)  # blocks 1 and 2 never run
+        with graphs.training_forward():
+            model.transformer.h[0](x)  # blocks 1 and 2 never run
     assert graphs.status == "off: block(s) 1, 2 not called in 3 training forwards"
     assert all(not block._forward_pre_hooks for block in model.transformer.h)
 
@@ -198,7 +221,8 @@ def test_a_block_with_its_own_instance_forward_is_not_captured():
     wrapper = wrapped.forward
     wrapped.forward = lambda *a, **k: wrapper(*a, **k)
     graphs = ModelBlockGraphs(model.transformer.h)
-    model(torch.randint(0, 128, (2, 16)))
+    with graphs.training_forward():
+        model(torch.randint(0, 128, (2, 16)))
     graphs.before_step()
     assert graphs.status.startswith("off: block 1 has a forward of its own on the instance")
     assert "forward" in wrapped.__dict__
@@ -227,7 +251,8 @@ def test_fp8_switched_between_recording_and_capture_records_again_then_gives_up(
     block = TinyBlock()
     graphs = ModelBlockGraphs([block])
     for attempt in range(ModelBlockGraphs.WAIT + 1):
-        block(torch.randn(2, 16, 32))
+        with graphs.training_forward():
+            block(torch.randn(2, 16, 32))
         graphs.calls[0].fp8 = True  # recorded under FP8; the step now runs in BF16
         with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
             graphs.before_step()

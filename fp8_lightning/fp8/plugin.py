@@ -364,9 +364,10 @@ class FP8PrecisionBase(FabricPrecision):
     def _training_context(self, step_start: bool = True) -> Generator[None, None, None]:
         """A training forward in FP8 (``step_start``: the Trainer's training step, not one of
         Fabric's forwards); after the first FP8 step, checks that FP8 really ran."""
-        with self._context(fp8=True):
+        with self._context(fp8=True), ExitStack() as stack:
             if self.graphs is not None:
                 self.graphs.before_step(step_start)
+                stack.enter_context(self.graphs.training_forward())
             yield
         if self._verify_pending and self.fp8_active:
             self._verify_fp8_ran()
