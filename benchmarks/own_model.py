@@ -132,7 +132,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             **{k: round(split[k], 2) for k in ("step_ms", "compute_ms", "gpu_idle_ms")
                if split.get(k) is not None},
-            "gpu": torch.cuda.get_device_name()}
+            "gpu": torch.cuda.get_device_name(), "kernels": profile.kernels}
 
 
 def main() -> None:

@@ -88,6 +88,28 @@ def split_step(kernels: list[tuple[str, float, float]], wall_ms: float, steps: i
             "host_wait_ms": None if host_wait_ms is None else host_wait_ms / steps}
 
 
+def kernel_summary(kernels: list[tuple[str, float, float]], steps: int, top: int = 30
+                   ) -> dict[str, Any]:
+    """Per step, in ms: GPU kernel time by category (``measure.kernel_category``) and the
+    ``top`` kernels by time (``[name, category, ms, calls]``): where the compute goes."""
+    from ..measure import kernel_category
+
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += (end - start) / 1e3 / steps
+        entry[1] += 1
+    categories: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        category = kernel_category(name)
+        categories[category] = categories.get(category, 0.0) + ms
+    categories["total"] = sum(categories.values())
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"categories": {k: round(v, 3) for k, v in sorted(categories.items())},
+            "top": [[name[:160], kernel_category(name), round(ms, 3), calls / steps]
+                    for name, (ms, calls) in ranked]}
+
+
 def format_split(rows: list[dict[str, Optional[float]]], first: int, steps: int) -> str:
     """The printed table: one line per rank."""
     def cell(value: Optional[float]) -> str:
@@ -111,6 +133,9 @@ class StepProfile(Callback):
         steps: how many steps to profile.
         trace_dir: also write each rank's Chrome trace there (``rank<N>.json``; open it in
             Perfetto or ``chrome://tracing``).
+
+    After the window, ``result`` holds every rank's split and ``kernels`` this rank's GPU time
+    by kernel category and its top kernels (:func:`kernel_summary`; None without a GPU).
     """
 
     def __init__(self, start_step: int = 20, steps: int = 5,
@@ -120,6 +145,7 @@ class StepProfile(Callback):
                                ">= 0 and steps >= 1"], "trainer.callbacks")
         self.start_step, self.steps, self.trace_dir = start_step, steps, trace_dir
         self.result: Optional[list[dict[str, Optional[float]]]] = None  # per rank, once done
+        self.kernels: Optional[dict[str, Any]] = None  # this rank's, once done on a GPU
         self._profiler: Any = None
         self._t0 = 0.0
 
@@ -164,6 +190,7 @@ class StepProfile(Callback):
                 elif event.name in SYNC_CALLS:
                     waits += (event.time_range.end - event.time_range.start) / 1e3
             split = split_step(kernels, wall_ms, steps, waits)
+            self.kernels = kernel_summary(kernels, steps)
             if self.trace_dir:
                 traces = Path(self.trace_dir)
                 traces.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from fp8_lightning.callbacks.profile import StepProfile, format_split, split_step, union_length
+from fp8_lightning.callbacks.profile import (StepProfile, format_split, kernel_summary, split_step,
+                                             union_length)
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.module import GPTLightningModule
 from tests.helpers import VOCAB, Tokens
@@ -35,6 +36,19 @@ def test_communication_fully_behind_compute_is_not_exposed():
     kernels = [("gemm", 0, 10_000), ("ncclKernel_ReduceScatter", 2_000, 8_000)]
     split = split_step(kernels, wall_ms=10.0, steps=1)
     assert split["exposed_comm_ms"] == 0 and split["comm_ms"] == 6.0 and split["gpu_idle_ms"] == 0
+
+
+def test_kernel_time_adds_up_by_category_and_ranks_the_kernels():
+    # two steps: a GEMM of 3 ms a step, a cast of 1 ms called twice a step, an add
+    kernels = [("sm90_xmma_gemm_e4m3", 0, 3_000), ("sm90_xmma_gemm_e4m3", 10_000, 13_000),
+               ("cast_transpose_fp8", 3_000, 3_500), ("cast_transpose_fp8", 4_000, 4_500),
+               ("cast_transpose_fp8", 13_000, 13_500), ("cast_transpose_fp8", 14_000, 14_500),
+               ("vectorized_elementwise_kernel<add>", 5_000, 5_200)]
+    summary = kernel_summary(kernels, steps=2, top=2)
+    assert summary["categories"] == {"fp8 cast/transpose/amax": 1.0, "gemm": 3.0, "other": 0.1,
+                                     "total": 4.1}
+    assert summary["top"] == [["sm90_xmma_gemm_e4m3", "gemm", 3.0, 1.0],
+                              ["cast_transpose_fp8", "fp8 cast/transpose/amax", 1.0, 2.0]]
 
 
 def test_the_table_has_a_row_per_rank():
