@@ -99,9 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--recipe", default="tensorwise", choices=list(RECIPES),
                         help="tensorwise / rowwise (torchao) or delayed / current / block (TE)")
+    parser.add_argument("--devices", default="auto",
+                        help="GPUs to train on: a count, or auto (all; several run DDP)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error("--steps and --batch_size must be at least 1")
+    if args.devices != "auto" and not (args.devices.isdigit() and int(args.devices) > 0):
+        parser.error(f"--devices must be a positive count or auto (got {args.devices!r})")
     L.seed_everything(0)
     module = LitNanoGPT()
     g = torch.Generator().manual_seed(0)
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = (starts + 7 * torch.arange(65)) % 512  # a learnable sequence: each token + 7
     plugin = FP8Precision(recipe=args.recipe)
     trainer = L.Trainer(max_steps=args.steps, plugins=[plugin], logger=False,
+                        devices=args.devices if args.devices == "auto" else int(args.devices),
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.batch_size))

@@ -149,19 +149,21 @@ class TEEngine(Engine):
                          reps=reps)
 
     def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
-        """A user's model of plain ``nn.Linear`` layers that :meth:`convert` swaps: a swapped
-        ``te.Linear`` measured slower than the model's compiled BF16 (TE delayed,
-        docs/benchmarks.md, "Your own model under FP8Precision"); this package's TE model, with
-        its fused layers and graphs, is not."""
+        """A user's model of plain ``nn.Linear`` layers that :meth:`convert` swaps: swapped
+        ``te.Linear`` layers gain little over the model's compiled BF16 (docs/benchmarks.md,
+        "Your own model under FP8Precision"); this package's TE model, with its fused layers,
+        gains far more."""
         from .policy import runs_bf16
 
         if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
                    for name, m in self.gemm_modules(model).items()):
             return None
-        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMM in FP8 with its "
-                "casts, and torch.compile breaks its graph at each TE module, so the other ops run "
-                "in fragments or eager; measured slower than the same model's compiled BF16 (TE "
-                "delayed); a torchao recipe (recipe: tensorwise) compiles with the model")
+        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMMs run FP8, and "
+                "torch.compile breaks its graph at each TE module, so the ops between them run "
+                "eagerly; measured a few percent faster than the same model's compiled BF16 at "
+                "1.3B with its blocks replayed as CUDA graphs (cuda_graphs, on by default), "
+                "slower without them; see docs/benchmarks.md, 'Your own model under "
+                "FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
