@@ -56,7 +56,8 @@ def build(arch, tmp_path, use_cache=None):
     return LitLlama(str(directory), use_cache), 2 * 7  # q, k, v, o, gate, up, down a block
 
 
-def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, **plugin_args):
+def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, callbacks=(),
+        **plugin_args):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
     data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
@@ -65,7 +66,7 @@ def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, **plu
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
-                        default_root_dir=tmp_path)
+                        default_root_dir=tmp_path, callbacks=list(callbacks))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=B), ckpt_path=ckpt_path)
     return trainer, plugin
 
@@ -202,6 +203,42 @@ def test_a_hugging_face_model_with_its_cache_on_trains_eagerly_and_says_why(tmp_
     assert plugin.fp8_active and trainer.global_step == 3
     assert plugin.graphs.status.startswith("off: block 0's call cannot be replayed")
     assert "use_cache=False" in plugin.graphs.status
+
+
+class StepKernels(L.Callback):
+    """The names of the GPU kernels of one training step (the third)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            self.profiler.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            torch.cuda.synchronize()
+            self.profiler.stop()
+            self.names = {e.name for e in self.profiler.events()
+                          if e.device_type.name == "CUDA"}
+
+
+@pytest.mark.parametrize("cudnn_attention", [None, False])
+def test_a_users_attention_runs_cudnns_kernels_on_hopper_unless_told_not_to(tmp_path,
+                                                                           cudnn_attention):
+    """The user's F.scaled_dot_product_attention: cuDNN's kernels by default on Hopper (PyTorch
+    alone would pick FlashAttention 2), FlashAttention 2 with cudnn_attention=False."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the default prefers cuDNN on Hopper only")
+    module, _ = build("nanogpt", tmp_path)
+    kernels = StepKernels()
+    fit(module, 4, tmp_path, "delayed", cuda_graphs=False, callbacks=[kernels],
+        cudnn_attention=cudnn_attention)
+    cudnn = any(name.startswith("cudnn") and "sdpa" in name for name in kernels.names)
+    flash = any("pytorch_flash" in name for name in kernels.names)
+    assert (cudnn, flash) == ((True, False) if cudnn_attention is None else (False, True)), \
+        sorted(kernels.names)
 
 
 def test_the_example_trains_fp8_under_the_plugin():

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..te_support import fallback_precision
+from .attention import cudnn_first, prefer_cudnn
 from .engine import Engine
 from .engines import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
@@ -96,6 +97,12 @@ class FP8PrecisionBase(FabricPrecision):
             Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
             options); a block it cannot replay runs eagerly, said why. This package's GPT
             graphs its blocks itself (``model.cuda_graphs``).
+        cudnn_attention: a model this package did not build: the plugin's forwards try cuDNN's
+            fused attention first for ``F.scaled_dot_product_attention`` (PyTorch tries
+            FlashAttention 2 first; cuDNN's is faster on Hopper). Only an order: a call cuDNN
+            cannot serve takes the next backend, and a backend you disabled stays disabled.
+            Default: on for Hopper GPUs. This package's GPT picks its attention with
+            ``model.attention``.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -110,7 +117,8 @@ class FP8PrecisionBase(FabricPrecision):
                  bf16_last_layers: int = 0,
                  fp8_layers: Optional[Literal["all", "auto"]] = None,
                  on_unavailable: Literal["fallback", "error"] = "fallback",
-                 cuda_graphs: Optional[bool] = None) -> None:
+                 cuda_graphs: Optional[bool] = None,
+                 cudnn_attention: Optional[bool] = None) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -120,6 +128,8 @@ class FP8PrecisionBase(FabricPrecision):
             problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
         if cuda_graphs not in (None, True, False):
             problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
+        if cudnn_attention not in (None, True, False):
+            problems.append(f"cudnn_attention={cudnn_attention!r}; valid: true, false (or unset)")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -148,6 +158,8 @@ class FP8PrecisionBase(FabricPrecision):
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
         self.on_unavailable = on_unavailable
         self.cuda_graphs = cuda_graphs
+        self.cudnn_attention = cudnn_attention
+        self._cudnn_first = False  # decided in convert_module (a model this package did not build)
         self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
         self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
@@ -273,6 +285,7 @@ class FP8PrecisionBase(FabricPrecision):
         # groups before it converts the module.
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._amax_group = _data_parallel_group()
+        self._plan_attention(gpt)
         if self.auto:  # not set up through GPTLightningModule: no probe, the recipe's engine
             self.auto, self.auto_figures = False, "not measured (no GPTLightningModule set-up)"
         ok, reason = self._fp8_can_run(gpt)
@@ -309,6 +322,21 @@ class FP8PrecisionBase(FabricPrecision):
             _warn(slower)
         self._apply_loaded_state()
         return module
+
+    def _plan_attention(self, gpt: nn.Module) -> None:
+        """cuDNN's attention first in the forwards of a model this package did not build."""
+        from ..model import GPT
+
+        if isinstance(gpt, GPT):
+            self._cudnn_first = False
+            return
+        capability = (torch.cuda.get_device_capability() if self._device_type == "cuda"
+                      else None)
+        self._cudnn_first, why = prefer_cudnn(self.cudnn_attention, self._device_type,
+                                              capability)
+        if self._cudnn_first or self.cudnn_attention:
+            rank_zero_only(log.info)("scaled_dot_product_attention: %s (%s)", "cuDNN's attention "
+                                     "first" if self._cudnn_first else "PyTorch's order", why)
 
     def _plan_graphs(self, gpt: nn.Module) -> None:
         """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
@@ -358,6 +386,8 @@ class FP8PrecisionBase(FabricPrecision):
             if self._converted:
                 stack.enter_context(self.engine.context(fp8 and self.fp8_active,
                                                         self._amax_group))
+            if self._cudnn_first:
+                stack.enter_context(cudnn_first())
             yield
 
     @contextmanager

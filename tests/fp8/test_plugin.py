@@ -40,6 +40,8 @@ def test_plugin_argument_errors():
         FP8Precision(weights="fp16")
     with pytest.raises(ConfigError, match="bf16_first_layers=-1"):
         FP8Precision(bf16_first_layers=-1)
+    with pytest.raises(ConfigError, match="cudnn_attention='on'; valid: true, false"):
+        FP8Precision(cudnn_attention="on")
     with pytest.raises(TypeError):
         FP8Precision(interval=1)  # the old DelayedScaling keyword is not an argument
 
