@@ -179,6 +179,14 @@ def main() -> None:
         print(f"| {r['variant']} | {r['tok_s']:,} | {ratio} | {r['precision']} | "
               f"{r['fp8_modules_ran']} | {r['graphs']} | {r.get('step_ms', '-')} | "
               f"{r.get('compute_ms', '-')} | {r.get('gpu_idle_ms', '-')} |")
+    # where each variant's GPU time goes (StepProfile.kernels), ms a step
+    cats = sorted({c for r in results for c in (r.get("kernels") or {}).get("categories", {})})
+    if cats:
+        print(f"\nGPU kernel ms a step by category\n{'variant':<18}"
+              + "".join(f"{c[:12]:>13}" for c in cats))
+        for r in results:
+            got = (r.get("kernels") or {}).get("categories", {})
+            print(f"{r['variant']:<18}" + "".join(f"{got.get(c, 0.0):>13.2f}" for c in cats))
 
 
 if __name__ == "__main__":
