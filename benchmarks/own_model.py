@@ -117,7 +117,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
     data = torch.randint(0, vocab, ((steps + PROFILED + 1) * batch, SEQ + 1))
     plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
     # profiled after the timed steps: the profiler's own cost stays out of tok/s
-    profile = StepProfile(start_step=steps, steps=PROFILED)
+    profile = StepProfile(start_step=steps, steps=PROFILED, top=80)
     trainer = L.Trainer(max_steps=steps + PROFILED + 1, accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,

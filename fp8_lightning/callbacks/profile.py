@@ -133,17 +133,18 @@ class StepProfile(Callback):
         steps: how many steps to profile.
         trace_dir: also write each rank's Chrome trace there (``rank<N>.json``; open it in
             Perfetto or ``chrome://tracing``).
+        top: how many of the most expensive kernels ``kernels`` lists.
 
     After the window, ``result`` holds every rank's split and ``kernels`` this rank's GPU time
     by kernel category and its top kernels (:func:`kernel_summary`; None without a GPU).
     """
 
     def __init__(self, start_step: int = 20, steps: int = 5,
-                 trace_dir: Optional[str] = None) -> None:
-        if start_step < 0 or steps < 1:
-            raise ConfigError([f"StepProfile(start_step={start_step}, steps={steps}): start_step "
-                               ">= 0 and steps >= 1"], "trainer.callbacks")
-        self.start_step, self.steps, self.trace_dir = start_step, steps, trace_dir
+                 trace_dir: Optional[str] = None, top: int = 30) -> None:
+        if start_step < 0 or steps < 1 or top < 1:
+            raise ConfigError([f"StepProfile(start_step={start_step}, steps={steps}, top={top}): "
+                               "start_step >= 0, steps >= 1 and top >= 1"], "trainer.callbacks")
+        self.start_step, self.steps, self.trace_dir, self.top = start_step, steps, trace_dir, top
         self.result: Optional[list[dict[str, Optional[float]]]] = None  # per rank, once done
         self.kernels: Optional[dict[str, Any]] = None  # this rank's, once done on a GPU
         self._profiler: Any = None
@@ -190,7 +191,7 @@ class StepProfile(Callback):
                 elif event.name in SYNC_CALLS:
                     waits += (event.time_range.end - event.time_range.start) / 1e3
             split = split_step(kernels, wall_ms, steps, waits)
-            self.kernels = kernel_summary(kernels, steps)
+            self.kernels = kernel_summary(kernels, steps, self.top)
             if self.trace_dir:
                 traces = Path(self.trace_dir)
                 traces.mkdir(parents=True, exist_ok=True)

@@ -58,9 +58,10 @@ def test_the_table_has_a_row_per_rank():
     assert text[2].split()[:3] == ["0", "2.00", "1.00"] and text[3].split()[:3] == ["1", "2.00", "1.50"]
 
 
-def test_bad_window_is_one_config_error():
-    with pytest.raises(ConfigError, match="start_step >= 0 and steps >= 1"):
-        StepProfile(start_step=-1)
+@pytest.mark.parametrize("args", [{"start_step": -1}, {"steps": 0}, {"top": 0}])
+def test_bad_window_is_one_config_error(args):
+    with pytest.raises(ConfigError, match="start_step >= 0, steps >= 1 and top >= 1"):
+        StepProfile(**args)
 
 
 def test_a_cpu_fit_reports_the_step_time_and_leaves_the_gpu_split_unknown(tmp_path):
