@@ -87,6 +87,11 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
 
         saved_fp8 = save_fp8_tensors(units, recipe)
     saved_grads = [(p, p.grad) for unit in units for p in unit.parameters()]
+    # The warm-up's backwards also add into a fused weight gradient's FP32 buffer (fp8/wgrad.py):
+    # one summed so far in this step (its .grad linked) is put back; one with no .grad yet is
+    # summed from zero at the next backward anyway.
+    saved_main = [(p, p.main_grad.clone()) for p, grad in saved_grads
+                  if grad is not None and getattr(p, "main_grad", None) is grad]
     # A capture that raises leaves state behind: TE turns the garbage collector off for the
     # capture and on again only after one that succeeded, and torch.cuda.graph does not put the
     # capture's side stream back when capture_end raises.
@@ -122,6 +127,8 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
             unit.__dict__.pop("forward", None)
         raise
     finally:
+        for param, summed in saved_main:
+            param.main_grad.copy_(summed)
         # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
         type(units[0]).__call__ = unit_call
         if gc_was_on:

@@ -57,7 +57,7 @@ def build(arch, tmp_path, use_cache=None):
 
 
 def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, callbacks=(),
-        **plugin_args):
+        accumulate_grad_batches=1, **plugin_args):
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
     data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
@@ -66,7 +66,8 @@ def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, callb
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
-                        default_root_dir=tmp_path, callbacks=list(callbacks))
+                        default_root_dir=tmp_path, callbacks=list(callbacks),
+                        accumulate_grad_batches=accumulate_grad_batches)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=B), ckpt_path=ckpt_path)
     return trainer, plugin
 
@@ -239,6 +240,40 @@ def test_a_users_attention_runs_cudnns_kernels_on_hopper_unless_told_not_to(tmp_
     flash = any("pytorch_flash" in name for name in kernels.names)
     assert (cudnn, flash) == ((True, False) if cudnn_attention is None else (False, True)), \
         sorted(kernels.names)
+
+
+class GradIsMainGrad(L.Callback):
+    """Before each optimizer step: is every swapped layer's .grad its FP32 main_grad?"""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        wgrad = trainer.precision_plugin.wgrad
+        self.seen.append(all(w.grad is w.main_grad and w.grad.dtype == torch.float32
+                             for w in wgrad.weights))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_path, accumulate):
+    """fuse_wgrad_accumulation: each swapped layer's wgrad GEMM sums into FP32 main_grad, its
+    .grad; with the blocks replayed as CUDA graphs too, and over accumulated micro-batches, the
+    run trains to the loss of the same run without it."""
+    losses = {}
+    for fused, graphs in ((False, False), (True, False), (True, True)):
+        module, n_gemms = build("nanogpt", tmp_path)
+        check = GradIsMainGrad()
+        trainer, plugin = fit(module, 20, tmp_path, "delayed", cuda_graphs=graphs,
+                              callbacks=[check], fuse_wgrad_accumulation=fused,
+                              accumulate_grad_batches=accumulate)
+        losses[fused, graphs] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) == n_gemms
+        if fused:
+            assert check.seen and all(check.seen) and len(plugin.wgrad.weights) == n_gemms
+        if graphs:
+            assert plugin.graphs.status == "ready"
+    eager = losses[False, False]
+    assert eager < 5.0 and all(abs(v - eager) < 0.02 * eager for v in losses.values()), losses
 
 
 def test_the_example_trains_fp8_under_the_plugin():

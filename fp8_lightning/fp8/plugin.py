@@ -22,7 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..te_support import fallback_precision
+from ..te_support import fallback_precision, te_module
 from .attention import cudnn_first, prefer_cudnn
 from .engine import Engine
 from .engines import get_engine
@@ -103,6 +103,12 @@ class FP8PrecisionBase(FabricPrecision):
             cannot serve takes the next backend, and a backend you disabled stays disabled.
             Default: on for Hopper GPUs. This package's GPT picks its attention with
             ``model.attention``.
+        fuse_wgrad_accumulation: TE engine, a model this package did not build, one process,
+            ``weights: bf16-mixed``: each swapped layer's weight-gradient GEMM accumulates in
+            FP32 straight into a buffer that is the weight's ``.grad`` (no BF16 gradient converted
+            into FP32, no copy out of a block's CUDA graph; :mod:`~fp8_lightning.fp8.wgrad`).
+            Every such weight then gets a gradient each backward (zero where a step skips its
+            layer). Default off.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -118,7 +124,8 @@ class FP8PrecisionBase(FabricPrecision):
                  fp8_layers: Optional[Literal["all", "auto"]] = None,
                  on_unavailable: Literal["fallback", "error"] = "fallback",
                  cuda_graphs: Optional[bool] = None,
-                 cudnn_attention: Optional[bool] = None) -> None:
+                 cudnn_attention: Optional[bool] = None,
+                 fuse_wgrad_accumulation: bool = False) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -130,6 +137,9 @@ class FP8PrecisionBase(FabricPrecision):
             problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
         if cudnn_attention not in (None, True, False):
             problems.append(f"cudnn_attention={cudnn_attention!r}; valid: true, false (or unset)")
+        if fuse_wgrad_accumulation not in (True, False):
+            problems.append(f"fuse_wgrad_accumulation={fuse_wgrad_accumulation!r}; valid: true, "
+                            "false")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -160,6 +170,8 @@ class FP8PrecisionBase(FabricPrecision):
         self.cuda_graphs = cuda_graphs
         self.cudnn_attention = cudnn_attention
         self._cudnn_first = False  # decided in convert_module (a model this package did not build)
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.wgrad: Any = None  # FusedWgrad, where fuse_wgrad_accumulation can run
         self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
         self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
@@ -312,6 +324,7 @@ class FP8PrecisionBase(FabricPrecision):
         slower = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
+        self._plan_wgrad(gpt)
         self._plan_graphs(gpt)
         self.fp8_active, self.reason = True, reason
         self._verify_pending = True
@@ -337,6 +350,33 @@ class FP8PrecisionBase(FabricPrecision):
         if self._cudnn_first or self.cudnn_attention:
             rank_zero_only(log.info)("scaled_dot_product_attention: %s (%s)", "cuDNN's attention "
                                      "first" if self._cudnn_first else "PyTorch's order", why)
+
+    def _plan_wgrad(self, gpt: nn.Module) -> None:
+        """``fuse_wgrad_accumulation``: the swapped TE layers' weights sum their gradient in FP32."""
+        from ..model import GPT
+        from .wgrad import FusedWgrad, fused_wgrad_blocker
+
+        if self.wgrad is not None:
+            self.wgrad.remove()
+            self.wgrad = None
+        if not self.fuse_wgrad_accumulation:
+            return
+        why = ("the torchao engine's layers stay nn.Linear" if self.engine.name != "te" else
+               "this package's GPT" if isinstance(gpt, GPT) else "")
+        modules = []
+        if not why:
+            te = te_module()
+            modules = [m for m in gpt.modules() if isinstance(m, (te.Linear, te.LayerNormLinear))
+                       and isinstance(m.weight, nn.Parameter) and m.weight.requires_grad]
+            world = (torch.distributed.get_world_size() if torch.distributed.is_available()
+                     and torch.distributed.is_initialized() else 1)
+            why = fused_wgrad_blocker(self.weights, world, [m.weight for m in modules]) or ""
+        if why:
+            rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
+            return
+        self.wgrad = FusedWgrad(modules)
+        rank_zero_only(log.info)("fuse_wgrad_accumulation: %d TE layers sum their weight "
+                                 "gradient in FP32 main_grad, which is their .grad", len(modules))
 
     def _plan_graphs(self, gpt: nn.Module) -> None:
         """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
@@ -395,6 +435,8 @@ class FP8PrecisionBase(FabricPrecision):
         """A training forward in FP8 (``step_start``: the Trainer's training step, not one of
         Fabric's forwards); after the first FP8 step, checks that FP8 really ran."""
         with self._context(fp8=True), ExitStack() as stack:
+            if self.wgrad is not None:
+                self.wgrad.before_forward()  # before a capture: the graph writes main_grad
             if self.graphs is not None:
                 self.graphs.before_step(step_start)
                 stack.enter_context(self.graphs.training_forward())
@@ -496,7 +538,22 @@ class FP8PrecisionBase(FabricPrecision):
         # the graphs' memory pools go with the run; the object stays, with its status and replays
         if self.graphs is not None:
             self.graphs.remove()
+        if self.wgrad is not None:
+            self.wgrad.remove()
+            self.wgrad = None
         super().teardown()
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if self.wgrad is not None:
+            self.wgrad.before_backward()
+        return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if self.wgrad is not None:  # before the Trainer's on_after_backward hooks read .grad
+            self.wgrad.after_backward()
+        return super().post_backward(tensor, module)
 
     def _remove_hooks(self) -> None:
         # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must
