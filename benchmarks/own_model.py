@@ -43,7 +43,7 @@ MODELS = {
 # name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's other settings);
 # -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
-# tries cuDNN's attention first, -flash: PyTorch's order (FlashAttention 2 first); -fusedwgrad:
+# tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; -fusedwgrad:
 # the weight gradients summed in FP32 by TE's GEMM (fuse_wgrad_accumulation)
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
@@ -51,7 +51,7 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise-all": ("tensorwise", True, {"fp8_layers": "all"}),
             "delayed": ("delayed", False, {}),
             "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
-            "delayed-flash": ("delayed", False, {"cudnn_attention": False}),
+            "delayed-torch-order": ("delayed", False, {"cudnn_attention": False}),
             "delayed-fusedwgrad": ("delayed", False, {"fuse_wgrad_accumulation": True}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024

@@ -225,21 +225,18 @@ class StepKernels(L.Callback):
                           if e.device_type.name == "CUDA"}
 
 
-@pytest.mark.parametrize("cudnn_attention", [None, False])
-def test_a_users_attention_runs_cudnns_kernels_on_hopper_unless_told_not_to(tmp_path,
-                                                                           cudnn_attention):
-    """The user's F.scaled_dot_product_attention: cuDNN's kernels by default on Hopper (PyTorch
-    alone would pick FlashAttention 2), FlashAttention 2 with cudnn_attention=False."""
+def test_a_users_attention_runs_cudnns_kernels_on_hopper(tmp_path):
+    """The user's F.scaled_dot_product_attention under the plugin runs cuDNN's kernels on
+    Hopper, forward and backward, whether PyTorch's order put it first or the plugin did."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the default prefers cuDNN on Hopper only")
+        pytest.skip("the plugin puts cuDNN first on Hopper only")
     module, _ = build("nanogpt", tmp_path)
     kernels = StepKernels()
-    fit(module, 4, tmp_path, "delayed", cuda_graphs=False, callbacks=[kernels],
-        cudnn_attention=cudnn_attention)
-    cudnn = any(name.startswith("cudnn") and "sdpa" in name for name in kernels.names)
-    flash = any("pytorch_flash" in name for name in kernels.names)
-    assert (cudnn, flash) == ((True, False) if cudnn_attention is None else (False, True)), \
+    fit(module, 4, tmp_path, "delayed", cuda_graphs=False, callbacks=[kernels])
+    cudnn = [name for name in kernels.names if name.startswith("cudnn") and "sdpa" in name]
+    assert any("fprop" in name for name in cudnn) and any("bprop" in name for name in cudnn), \
         sorted(kernels.names)
+    assert not any("pytorch_flash" in name for name in kernels.names)
 
 
 class GradIsMainGrad(L.Callback):

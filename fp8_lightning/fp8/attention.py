@@ -1,10 +1,11 @@
-"""cuDNN's fused attention first for ``F.scaled_dot_product_attention`` in the plugin's forwards.
+"""cuDNN's fused attention first for ``F.scaled_dot_product_attention`` in the plugin's forwards
+and backwards (an activation checkpoint's recompute picks its backend again there).
 
-PyTorch tries FlashAttention 2 before cuDNN. On Hopper cuDNN's kernels are the faster ones for
-training shapes (a user's nanoGPT 1.3B on an H100: 15.1 ms of eager attention a step against
-9.8 ms where the compiled BF16 model got cuDNN's; transformers prefers cuDNN on Hopper likewise,
-huggingface/transformers#48163). Only an order: a call cuDNN cannot serve takes the next backend,
-and a backend the user disabled stays disabled.
+On the GPU image's PyTorch a user's eager model ran FlashAttention 2's kernels where the same
+model compiled ran cuDNN's: at nanoGPT 1.3B on an H100, 15.1 ms of attention a step against 9.8
+ms. Recent PyTorch builds put cuDNN first on Hopper themselves when their cuDNN is new enough;
+where the order already starts with cuDNN this changes nothing. Only an order: a call cuDNN
+cannot serve takes the next backend, and the enabled backends stay as the user set them.
 """
 
 from __future__ import annotations
@@ -28,19 +29,42 @@ def prefer_cudnn(setting: Optional[bool], device_type: str,
     return True, "cudnn_attention=true" if setting else "Hopper"
 
 
+# torch.nn.attention.sdpa_kernel(set_priority=True) also sets which backends are enabled and,
+# from PyTorch 2.11, puts back the order of the enabled ones only (a disabled backend ends up
+# last for good): the order alone is set and restored here, with the functions it uses itself.
+_GET = getattr(torch._C, "_get_sdp_priority_order", None)
+_SET = getattr(torch._C, "_set_sdp_priority_order", None)
+
+
+def cudnn_is_first() -> bool:
+    """Does PyTorch's order (now) try cuDNN's attention first?"""
+    from torch.nn.attention import SDPBackend
+
+    return _GET is not None and list(_GET())[:1] == [int(SDPBackend.CUDNN_ATTENTION)]
+
+
+def settle_order(device: torch.device) -> None:
+    """One backend choice on tiny tensors, so that a PyTorch which sets its Hopper order at the
+    first attention call has set it before :func:`cudnn_first` reads it."""
+    q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+    torch._fused_sdp_choice(q, q, q, is_causal=True)
+
+
 @contextmanager
 def cudnn_first() -> Iterator[None]:
-    """cuDNN first among the attention backends enabled now, in PyTorch's order after it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """cuDNN first, the other backends in their order after it; the order put back after."""
+    from torch.nn.attention import SDPBackend
 
-    cuda = torch.backends.cuda
-    enabled = [backend for backend, on in (
-        (SDPBackend.CUDNN_ATTENTION, cuda.cudnn_sdp_enabled()),
-        (SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
-        (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
-        (SDPBackend.MATH, cuda.math_sdp_enabled())) if on]
-    if not enabled or enabled[0] != SDPBackend.CUDNN_ATTENTION:  # the user turned cuDNN off
+    cudnn = int(SDPBackend.CUDNN_ATTENTION)
+    if _GET is None or _SET is None or not torch.backends.cuda.cudnn_sdp_enabled():
         yield
         return
-    with sdpa_kernel(enabled, set_priority=True):
+    before = list(_GET())
+    if before[:1] == [cudnn]:
         yield
+        return
+    _SET([cudnn] + [b for b in before if b != cudnn])
+    try:
+        yield
+    finally:
+        _SET(before)

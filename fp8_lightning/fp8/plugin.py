@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Generator, Literal, Optional
 
 import torch
@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..te_support import fallback_precision, te_module
-from .attention import cudnn_first, prefer_cudnn
+from .attention import cudnn_first, cudnn_is_first, prefer_cudnn, settle_order
 from .engine import Engine
 from .engines import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
@@ -97,12 +97,13 @@ class FP8PrecisionBase(FabricPrecision):
             Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
             options); a block it cannot replay runs eagerly, said why. This package's GPT
             graphs its blocks itself (``model.cuda_graphs``).
-        cudnn_attention: a model this package did not build: the plugin's forwards try cuDNN's
-            fused attention first for ``F.scaled_dot_product_attention`` (PyTorch tries
-            FlashAttention 2 first; cuDNN's is faster on Hopper). Only an order: a call cuDNN
-            cannot serve takes the next backend, and a backend you disabled stays disabled.
-            Default: on for Hopper GPUs. This package's GPT picks its attention with
-            ``model.attention``.
+        cudnn_attention: a model this package did not build: the plugin's forwards and
+            backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
+            (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
+            package's GPU image). Only an order: a call cuDNN cannot serve takes the next
+            backend, and the enabled backends stay as you set them; nothing changes where
+            PyTorch's own order already starts with cuDNN. Default: on for Hopper GPUs. This
+            package's GPT picks its attention with ``model.attention``.
         fuse_wgrad_accumulation: TE engine, a model this package did not build, one process,
             ``weights: bf16-mixed``: each swapped layer's weight-gradient GEMM accumulates in
             FP32 straight into a buffer that is the weight's ``.grad`` (no BF16 gradient converted
@@ -347,9 +348,16 @@ class FP8PrecisionBase(FabricPrecision):
                       else None)
         self._cudnn_first, why = prefer_cudnn(self.cudnn_attention, self._device_type,
                                               capability)
-        if self._cudnn_first or self.cudnn_attention:
-            rank_zero_only(log.info)("scaled_dot_product_attention: %s (%s)", "cuDNN's attention "
-                                     "first" if self._cudnn_first else "PyTorch's order", why)
+        said = "cuDNN's attention first"
+        if self._cudnn_first:
+            settle_order(torch.device("cuda", torch.cuda.current_device()))
+            if cudnn_is_first():  # nothing to change: said, as it is what runs
+                self._cudnn_first, why = False, "PyTorch's own order"
+        elif self.cudnn_attention is not None or self._device_type == "cuda":
+            said = "PyTorch's order"
+        else:
+            return  # a CPU, nothing asked: nothing to say
+        rank_zero_only(log.info)("scaled_dot_product_attention: %s (%s)", said, why)
 
     def _plan_wgrad(self, gpt: nn.Module) -> None:
         """``fuse_wgrad_accumulation``: the swapped TE layers' weights sum their gradient in FP32."""
@@ -542,6 +550,13 @@ class FP8PrecisionBase(FabricPrecision):
             self.wgrad.remove()
             self.wgrad = None
         super().teardown()
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        # the order of the forward for an activation checkpoint's recompute: another backend
+        # there would save other tensors than the forward did
+        with cudnn_first() if self._cudnn_first else nullcontext():
+            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:

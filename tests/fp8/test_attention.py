@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from fp8_lightning.fp8 import FP8Precision
-from fp8_lightning.fp8.attention import cudnn_first, prefer_cudnn
+from fp8_lightning.fp8.attention import cudnn_first, cudnn_is_first, prefer_cudnn
 from tests._runs import load_script
 
 
@@ -27,30 +27,37 @@ def order() -> list[SDPBackend]:
     return [SDPBackend(b) for b in torch._C._get_sdp_priority_order()]
 
 
-def test_cudnn_first_reorders_only_the_enabled_backends_and_restores_them():
+def test_cudnn_first_moves_only_cudnn_and_puts_the_order_back_exactly():
     before = order()
-    with cudnn_first():
-        assert order()[0] == SDPBackend.CUDNN_ATTENTION
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    assert order() == before
-    torch.backends.cuda.enable_flash_sdp(False)  # the user's choice stays
+    assert before[0] != SDPBackend.CUDNN_ATTENTION  # PyTorch's order on this CPU build
+    torch.backends.cuda.enable_flash_sdp(False)  # the user's choice: stays as it is
     try:
         with cudnn_first():
-            assert order()[0] == SDPBackend.CUDNN_ATTENTION
-            assert not torch.backends.cuda.flash_sdp_enabled()
-        assert not torch.backends.cuda.flash_sdp_enabled()
+            assert order() == [SDPBackend.CUDNN_ATTENTION] + [
+                b for b in before if b != SDPBackend.CUDNN_ATTENTION]
+            assert cudnn_is_first() and not torch.backends.cuda.flash_sdp_enabled()
+        assert order() == before and not torch.backends.cuda.flash_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN off: the order is left alone
-        now = order()
         with cudnn_first():
-            assert order() == now and not torch.backends.cuda.cudnn_sdp_enabled()
-    finally:  # PyTorch restores only the enabled backends' order: put this process's back
+            assert order() == before
+    finally:
         torch.backends.cuda.enable_flash_sdp(True)
         torch.backends.cuda.enable_cudnn_sdp(True)
-        torch._C._set_sdp_priority_order([int(b) for b in before])
     assert order() == before
 
 
-def test_the_plugin_keeps_pytorchs_order_without_a_gpu():
+def test_an_order_that_starts_with_cudnn_is_left_alone():
+    before = order()
+    with cudnn_first():
+        inside = order()
+        with cudnn_first():  # nested (a backward's recompute inside a forward's context)
+            assert order() == inside
+        assert order() == inside
+    assert order() == before
+
+
+def test_the_plugin_keeps_pytorchs_order_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     own = load_script("examples/own_model.py")
     plugin = FP8Precision(recipe="tensorwise", cudnn_attention=True)
     plugin.convert_module(own.LitNanoGPT())
