@@ -87,10 +87,10 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
 
         saved_fp8 = save_fp8_tensors(units, recipe)
     saved_grads = [(p, p.grad) for unit in units for p in unit.parameters()]
-    # The warm-up's backwards also add into a fused weight gradient's FP32 buffer (fp8/wgrad.py):
-    # one summed so far in this step (its .grad linked) is put back; one with no .grad yet is
-    # summed from zero at the next backward anyway.
-    saved_main = [(p, p.main_grad.clone()) for p, grad in saved_grads
+    # The warm-up's backwards also add into a fused weight gradient's FP32 buffer (fp8/wgrad.py),
+    # which holds the gradient summed so far: kept on the host meanwhile (a copy on the GPU
+    # would cost the capture another 4 bytes per weight), put back after.
+    saved_main = [(p, p.main_grad.to("cpu")) for p, grad in saved_grads
                   if grad is not None and getattr(p, "main_grad", None) is grad]
     # A capture that raises leaves state behind: TE turns the garbage collector off for the
     # capture and on again only after one that succeeded, and torch.cuda.graph does not put the
@@ -416,8 +416,10 @@ class ModelBlockGraphs:
         return [p for block in self.blocks for p in block.parameters()]
 
     def _now(self) -> tuple:
-        """What a capture depends on: where each parameter lives and whether it trains."""
-        return tuple((p.data_ptr(), p.requires_grad) for p in self._params())
+        """What a capture depends on: where each parameter (and a fused weight gradient's FP32
+        buffer, which the graph's backward writes) lives and whether it trains."""
+        return tuple((p.data_ptr(), p.requires_grad, getattr(p, "main_grad", p).data_ptr())
+                     for p in self._params())
 
     def remove(self) -> None:
         """No recording, no graph: the blocks' own forward again, the graphs' memory freed."""

@@ -104,12 +104,13 @@ class FP8PrecisionBase(FabricPrecision):
             backend, and the enabled backends stay as you set them; nothing changes where
             PyTorch's own order already starts with cuDNN. Default: on for Hopper GPUs. This
             package's GPT picks its attention with ``model.attention``.
-        fuse_wgrad_accumulation: TE engine, a model this package did not build, one process,
-            ``weights: bf16-mixed``: each swapped layer's weight-gradient GEMM accumulates in
-            FP32 straight into a buffer that is the weight's ``.grad`` (no BF16 gradient converted
-            into FP32, no copy out of a block's CUDA graph; :mod:`~fp8_lightning.fp8.wgrad`).
-            Every such weight then gets a gradient each backward (zero where a step skips its
-            layer). Default off.
+        fuse_wgrad_accumulation: TE engine, a model this package did not build, no process
+            group (not DDP/FSDP2), ``weights: bf16-mixed``: each swapped layer's weight-gradient
+            GEMM accumulates in FP32 straight into a buffer that is the weight's ``.grad`` (no
+            BF16 gradient converted into FP32, no copy out of a block's CUDA graph;
+            :mod:`~fp8_lightning.fp8.wgrad`). Every such weight then gets a gradient each
+            backward (zero where a step skips its layer); TE runs these layers eagerly under
+            ``torch.compile``. Default off.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -372,13 +373,13 @@ class FP8PrecisionBase(FabricPrecision):
         why = ("the torchao engine's layers stay nn.Linear" if self.engine.name != "te" else
                "this package's GPT" if isinstance(gpt, GPT) else "")
         modules = []
-        if not why:
-            te = te_module()
-            modules = [m for m in gpt.modules() if isinstance(m, (te.Linear, te.LayerNormLinear))
-                       and isinstance(m.weight, nn.Parameter) and m.weight.requires_grad]
-            world = (torch.distributed.get_world_size() if torch.distributed.is_available()
-                     and torch.distributed.is_initialized() else 1)
-            why = fused_wgrad_blocker(self.weights, world, [m.weight for m in modules]) or ""
+        if not why:  # the layers the engine swapped in (not TE layers the user built)
+            here = set(gpt.modules())
+            modules = [m for m in getattr(self.engine, "swapped", []) if m in here
+                       and isinstance(m.weight, nn.Parameter) and m.weight.requires_grad
+                       and m.weight.dtype == torch.float32]
+            group = torch.distributed.is_available() and torch.distributed.is_initialized()
+            why = fused_wgrad_blocker(self.weights, group, [m.weight for m in modules]) or ""
         if why:
             rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
             return
@@ -563,12 +564,6 @@ class FP8PrecisionBase(FabricPrecision):
         if self.wgrad is not None:
             self.wgrad.before_backward()
         return super().pre_backward(tensor, module)
-
-    @override
-    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        if self.wgrad is not None:  # before the Trainer's on_after_backward hooks read .grad
-            self.wgrad.after_backward()
-        return super().post_backward(tensor, module)
 
     def _remove_hooks(self) -> None:
         # Not done in teardown(): a checkpoint saved after fit (trainer.save_checkpoint) must

@@ -103,6 +103,8 @@ class TEEngine(Engine):
 
     def __init__(self) -> None:
         self.recipe: Any = None
+        # the TE layers convert() put in a user's model (a set-up again swaps none: kept)
+        self.swapped: list[nn.Module] = []
 
     def available(self, recipe: str) -> tuple[bool, str]:
         return recipe_available(recipe)
@@ -206,6 +208,7 @@ class TEEngine(Engine):
             else:
                 swapped = te_linear_like(module)
             setattr(model.get_submodule(parent), attr, swapped)
+            self.swapped.append(swapped)
             # kept for the module's life (the swap is permanent): not among the hooks returned
             swapped.register_state_dict_post_hook(drop_extra_state)
             swapped.register_load_state_dict_pre_hook(expect_no_extra_state)

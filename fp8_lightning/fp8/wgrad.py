@@ -17,28 +17,29 @@ import torch
 from torch import nn
 
 
-def fused_wgrad_blocker(weights: str, world_size: int, params: list[nn.Parameter]
+def fused_wgrad_blocker(weights: str, process_group: bool, params: list[nn.Parameter]
                         ) -> Optional[str]:
     """Why the weight gradients cannot accumulate in ``main_grad`` here (None: they can)."""
     from torch.distributed.tensor import DTensor
 
     if weights != "bf16-mixed":
         return f"weights={weights}: .grad must be the FP32 master weight's dtype (bf16-mixed)"
-    if world_size > 1:
-        return ("several processes: DDP reduces the gradients autograd hands it, and a fused "
-                "weight's goes to main_grad instead")
+    if process_group:
+        return ("a process group (DDP, FSDP2): their hooks take the gradients autograd hands "
+                "them, and a fused weight's goes to main_grad instead")
     if any(isinstance(p, DTensor) for p in params):
         return "FSDP2's sharded parameters"
     if not params:
-        return "no TE module with a weight"
+        return "no swapped TE layer with an FP32 weight"
     return None
 
 
 class FusedWgrad:
-    """The TE modules' weights accumulate their gradient in FP32 ``main_grad``, which is their
-    ``.grad``: allocated before a training forward, summed from zero after the optimizer or the
-    user dropped ``.grad`` (``zero_grad``), linked after each backward. Every fused weight is
-    treated as used in each backward (a weight a step skips gets a zero gradient, not None)."""
+    """The swapped TE layers' weights accumulate their gradient in FP32 ``main_grad``, which is
+    their ``.grad`` from before each forward and backward on: summed from zero after the
+    optimizer or the user dropped ``.grad`` (``zero_grad``), and taking in a gradient autograd
+    put there meanwhile (a weight also used outside its TE layer, e.g. tied). Every fused weight
+    is treated as used in each backward (a weight a step skips gets a zero gradient, not None)."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
@@ -46,30 +47,31 @@ class FusedWgrad:
         for module in modules:
             module.fuse_wgrad_accumulation = True
 
-    def before_forward(self) -> None:
-        """A ``main_grad`` on each weight's device (allocated once; again after a move)."""
+    def _link(self) -> None:
+        fresh = []
         for weight in self.weights:
-            grad = getattr(weight, "main_grad", None)
-            if grad is not None and grad.device == weight.device and grad.shape == weight.shape:
+            if not weight.requires_grad:  # frozen since: no gradient at all
                 continue
-            kept = weight.grad  # a gradient summed so far (moved with the weight) stays the sum
-            weight.main_grad = (kept if kept is not None and kept.dtype == torch.float32 and
-                                kept.device == weight.device else
-                                torch.zeros_like(weight, dtype=torch.float32))
-
-    def before_backward(self) -> None:
-        """A weight whose ``.grad`` was dropped since the last backward starts from zero."""
-        fresh = [weight.main_grad for weight in self.weights
-                 if weight.grad is None and getattr(weight, "main_grad", None) is not None]
+            grad = getattr(weight, "main_grad", None)
+            if grad is None or grad.device != weight.device or grad.shape != weight.shape:
+                grad = weight.main_grad = torch.empty_like(weight, dtype=torch.float32)
+            if weight.grad is None:
+                fresh.append(grad)
+            elif weight.grad is not grad:  # autograd's or a moved one: the sum so far
+                grad.copy_(weight.grad)
+            weight.grad = grad
         if fresh:
             torch._foreach_zero_(fresh)
 
-    def after_backward(self) -> None:
-        """Each weight's ``.grad`` is its ``main_grad``, where TE summed the gradient."""
-        for weight in self.weights:
-            grad = getattr(weight, "main_grad", None)
-            if weight.grad is None and grad is not None and weight.requires_grad:
-                weight.grad = grad
+    def before_forward(self) -> None:
+        """A ``main_grad`` on each weight's device, linked as its ``.grad`` (before a capture,
+        which records where TE writes)."""
+        self._link()
+
+    def before_backward(self) -> None:
+        """Each ``.grad`` is ``main_grad`` (zero where ``.grad`` was dropped): TE adds into it,
+        autograd adds what reaches the weight elsewhere."""
+        self._link()
 
     def remove(self) -> None:
         """TE's own weight gradients again; a ``.grad`` linked so far stays as it is."""

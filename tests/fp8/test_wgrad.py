@@ -18,16 +18,16 @@ from fp8_lightning.fp8.wgrad import FusedWgrad, fused_wgrad_blocker
 
 class _Gemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, module):
+    def forward(ctx, x, weight, fuse):
         ctx.save_for_backward(x, weight)
-        ctx.module = module
+        ctx.fuse = fuse  # TE reads the flag at the forward, main_grad at the backward
         return x @ weight.t()
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         wgrad = grad.flatten(0, -2).t() @ x.flatten(0, -2)
-        if ctx.module.fuse_wgrad_accumulation:
+        if ctx.fuse:
             weight.main_grad.add_(wgrad.float())
             wgrad = None
         return grad @ weight, wgrad, None
@@ -40,7 +40,7 @@ class TELikeLinear(nn.Module):
         self.fuse_wgrad_accumulation = False
 
     def forward(self, x):
-        return _Gemm.apply(x, self.weight, self)
+        return _Gemm.apply(x, self.weight, self.fuse_wgrad_accumulation)
 
 
 def pair():
@@ -50,19 +50,21 @@ def pair():
     return plain, fused, FusedWgrad([fused[0], fused[2]])
 
 
-def backward(model, wgrad, x):
+def backward(model, wgrad, x, extra=lambda model, x: 0.0):
+    """A forward and backward as the plugin's hooks frame them (its training forward, then
+    Lightning's zero_grad may come, then pre_backward)."""
+    if wgrad is not None:
+        wgrad.before_forward()
+    loss = model(x).square().mean() + extra(model, x)
     if wgrad is not None:
         wgrad.before_backward()
-    model(x).square().mean().backward()
-    if wgrad is not None:
-        wgrad.after_backward()
+    loss.backward()
 
 
 def test_the_weights_get_the_gradients_a_plain_layer_gets_step_after_step():
     plain, fused, wgrad = pair()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fused)]
     for step in range(3):
-        wgrad.before_forward()
         for micro in range(2):  # gradient accumulation: the sum of both micro-batches
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro))
             backward(plain, None, x)
@@ -78,9 +80,22 @@ def test_the_weights_get_the_gradients_a_plain_layer_gets_step_after_step():
         assert torch.allclose(p, q, atol=1e-6)
 
 
+def test_a_weight_also_used_outside_its_te_layer_gets_both_parts():
+    """A tied weight: TE sums its layer's part in main_grad, autograd adds the other use's
+    into .grad, which is main_grad; after zero_grad(set_to_none) too."""
+    plain, fused, wgrad = pair()
+    tied = lambda model, x: (x @ model[0].weight).sum()  # noqa: E731 - the weight's other use
+    for step in range(2):
+        for model in (plain, fused):
+            model.zero_grad(set_to_none=True)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        backward(plain, None, x, tied)
+        backward(fused, wgrad, x, tied)
+        assert torch.allclose(plain[0].weight.grad, fused[0].weight.grad, atol=1e-6)
+
+
 def test_removed_the_layers_hand_autograd_their_gradient_again():
     plain, fused, wgrad = pair()
-    wgrad.before_forward()
     backward(fused, wgrad, torch.randn(4, 8))
     linked = fused[0].weight.grad
     wgrad.remove()
@@ -91,14 +106,15 @@ def test_removed_the_layers_hand_autograd_their_gradient_again():
     assert fused[0].weight.grad is not None
 
 
-@pytest.mark.parametrize("weights, world, params, expected", [
-    ("bf16-mixed", 1, [nn.Parameter(torch.zeros(2))], None),
-    ("bf16-true", 1, [nn.Parameter(torch.zeros(2))], "weights=bf16-true: .grad must be"),
-    ("bf16-mixed", 2, [nn.Parameter(torch.zeros(2))], "several processes: DDP reduces"),
-    ("bf16-mixed", 1, [], "no TE module with a weight"),
+@pytest.mark.parametrize("weights, group, params, expected", [
+    ("bf16-mixed", False, [nn.Parameter(torch.zeros(2))], None),
+    ("bf16-true", False, [nn.Parameter(torch.zeros(2))], "weights=bf16-true: .grad must be"),
+    ("bf16-mixed", True, [nn.Parameter(torch.zeros(2))], "a process group (DDP, FSDP2)"),
+    ("bf16-mixed", False, [], "no swapped TE layer with an FP32 weight"),
 ])
-def test_it_runs_in_one_process_with_fp32_master_weights(weights, world, params, expected):
-    why = fused_wgrad_blocker(weights, world, params)
+def test_it_runs_without_a_process_group_with_fp32_master_weights(weights, group, params,
+                                                                  expected):
+    why = fused_wgrad_blocker(weights, group, params)
     assert why == expected if expected is None else why.startswith(expected)
 
 
