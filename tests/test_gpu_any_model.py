@@ -228,8 +228,8 @@ class StepKernels(L.Callback):
 def test_a_users_attention_runs_cudnns_kernels_on_hopper(tmp_path):
     """The user's F.scaled_dot_product_attention under the plugin runs cuDNN's kernels on
     Hopper, forward and backward, whether PyTorch's order put it first or the plugin did."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the plugin puts cuDNN first on Hopper only")
+    if torch.cuda.get_device_capability() != (9, 0) or torch.backends.cudnn.version() <= 91500:
+        pytest.skip("the plugin puts cuDNN first on Hopper with cuDNN newer than 9.15.0 only")
     module, _ = build("nanogpt", tmp_path)
     kernels = StepKernels()
     fit(module, 4, tmp_path, "delayed", cuda_graphs=False, callbacks=[kernels])
@@ -262,7 +262,7 @@ def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_pa
     for fused, graphs in ((False, False), (True, False), (True, True)):
         module, n_gemms = build("nanogpt", tmp_path)
         check = GradIsMainGrad()
-        trainer, plugin = fit(module, 20, tmp_path, "delayed", cuda_graphs=graphs,
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs,
                               callbacks=[check], fuse_wgrad_accumulation=fused,
                               accumulate_grad_batches=accumulate)
         losses[fused, graphs] = float(trainer.callback_metrics["train/loss"])

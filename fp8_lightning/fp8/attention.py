@@ -16,17 +16,26 @@ from typing import Iterator, Optional
 import torch
 
 
+# PyTorch puts cuDNN's attention first on Hopper only from cuDNN 9.15.1: older ones had memory
+# errors at sequence lengths that are not a multiple of 128 (pytorch/pytorch#169849)
+CUDNN_SAFE = 91500
+
+
 def prefer_cudnn(setting: Optional[bool], device_type: str,
-                 capability: Optional[tuple[int, int]]) -> tuple[bool, str]:
+                 capability: Optional[tuple[int, int]], cudnn: Optional[int] = None
+                 ) -> tuple[bool, str]:
     """Whether the plugin's forwards put cuDNN's attention first (``cudnn_attention``: None is
-    on for Hopper, sm90), and why."""
+    on for Hopper, sm90, with a cuDNN newer than 9.15.0), and why."""
     if setting is False:
         return False, "cudnn_attention=false"
     if device_type != "cuda":
         return False, "no GPU"
     if setting is None and capability != (9, 0):
         return False, f"sm{''.join(map(str, capability or ()))}: PyTorch's order kept off Hopper"
-    return True, "cudnn_attention=true" if setting else "Hopper"
+    if setting is None and (cudnn or 0) <= CUDNN_SAFE:
+        return False, (f"cuDNN {cudnn or 'unavailable'}: its attention is preferred from 9.15.1 "
+                       "on (pytorch/pytorch#169849); cudnn_attention=true asks regardless")
+    return True, "cudnn_attention=true" if setting else f"Hopper, cuDNN {cudnn}"
 
 
 # torch.nn.attention.sdpa_kernel(set_priority=True) also sets which backends are enabled and,
@@ -45,9 +54,16 @@ def cudnn_is_first() -> bool:
 
 def settle_order(device: torch.device) -> None:
     """One backend choice on tiny tensors, so that a PyTorch which sets its Hopper order at the
-    first attention call has set it before :func:`cudnn_first` reads it."""
-    q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
-    torch._fused_sdp_choice(q, q, q, is_causal=True)
+    first attention call has set it before :func:`cudnn_first` reads it. Nothing where no
+    backend takes them (the user disabled those that would)."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return
+    q = torch.zeros(1, 8, 1, 64, device=device, dtype=torch.bfloat16)
+    q = q.transpose(1, 2)  # (B, nh, T, hs), laid out as a model's heads are
+    try:
+        torch._fused_sdp_choice(q, q, q, is_causal=True)
+    except RuntimeError:
+        pass
 
 
 @contextmanager

@@ -102,8 +102,9 @@ class FP8PrecisionBase(FabricPrecision):
             (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
             package's GPU image). Only an order: a call cuDNN cannot serve takes the next
             backend, and the enabled backends stay as you set them; nothing changes where
-            PyTorch's own order already starts with cuDNN. Default: on for Hopper GPUs. This
-            package's GPT picks its attention with ``model.attention``.
+            PyTorch's own order already starts with cuDNN. Default: on for Hopper GPUs with a
+            cuDNN newer than 9.15.0 (older ones had memory errors, pytorch/pytorch#169849).
+            This package's GPT picks its attention with ``model.attention``.
         fuse_wgrad_accumulation: TE engine, a model this package did not build, no process
             group (not DDP/FSDP2), ``weights: bf16-mixed``: each swapped layer's weight-gradient
             GEMM accumulates in FP32 straight into a buffer that is the weight's ``.grad`` (no
@@ -347,8 +348,10 @@ class FP8PrecisionBase(FabricPrecision):
             return
         capability = (torch.cuda.get_device_capability() if self._device_type == "cuda"
                       else None)
+        cudnn = (torch.backends.cudnn.version() if self._device_type == "cuda" and
+                 torch.backends.cudnn.is_available() else None)
         self._cudnn_first, why = prefer_cudnn(self.cudnn_attention, self._device_type,
-                                              capability)
+                                              capability, cudnn)
         said = "cuDNN's attention first"
         if self._cudnn_first:
             settle_order(torch.device("cuda", torch.cuda.current_device()))

@@ -39,7 +39,9 @@ class FusedWgrad:
     their ``.grad`` from before each forward and backward on: summed from zero after the
     optimizer or the user dropped ``.grad`` (``zero_grad``), and taking in a gradient autograd
     put there meanwhile (a weight also used outside its TE layer, e.g. tied). Every fused weight
-    is treated as used in each backward (a weight a step skips gets a zero gradient, not None)."""
+    is treated as used in each backward (a weight a step skips gets a zero gradient, not None).
+    A deep copy of the model (an EMA) keeps TE's flag but no ``main_grad``: train only the
+    original."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules

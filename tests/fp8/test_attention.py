@@ -11,16 +11,20 @@ from fp8_lightning.fp8.attention import cudnn_first, cudnn_is_first, prefer_cudn
 from tests._runs import load_script
 
 
-@pytest.mark.parametrize("setting, device, capability, expected", [
-    (None, "cuda", (9, 0), (True, "Hopper")),
-    (None, "cuda", (8, 0), (False, "sm80: PyTorch's order kept off Hopper")),
-    (None, "cuda", (10, 0), (False, "sm100: PyTorch's order kept off Hopper")),
-    (True, "cuda", (8, 0), (True, "cudnn_attention=true")),
-    (False, "cuda", (9, 0), (False, "cudnn_attention=false")),
-    (True, "cpu", None, (False, "no GPU")),
+@pytest.mark.parametrize("setting, device, capability, cudnn, expected", [
+    (None, "cuda", (9, 0), 91900, (True, "Hopper, cuDNN 91900")),
+    (None, "cuda", (9, 0), 91500, (False, "cuDNN 91500: its attention is preferred from 9.15.1")),
+    (None, "cuda", (9, 0), None, (False, "cuDNN unavailable: its attention is preferred")),
+    (None, "cuda", (8, 0), 91900, (False, "sm80: PyTorch's order kept off Hopper")),
+    (None, "cuda", (10, 0), 91900, (False, "sm100: PyTorch's order kept off Hopper")),
+    (True, "cuda", (8, 0), 90100, (True, "cudnn_attention=true")),
+    (False, "cuda", (9, 0), 91900, (False, "cudnn_attention=false")),
+    (True, "cpu", None, None, (False, "no GPU")),
 ])
-def test_cudnn_goes_first_on_hopper_or_when_asked(setting, device, capability, expected):
-    assert prefer_cudnn(setting, device, capability) == expected
+def test_cudnn_goes_first_on_hopper_with_a_safe_cudnn_or_when_asked(setting, device, capability,
+                                                                    cudnn, expected):
+    first, why = prefer_cudnn(setting, device, capability, cudnn)
+    assert first == expected[0] and why.startswith(expected[1]), why
 
 
 def order() -> list[SDPBackend]:
