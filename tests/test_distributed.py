@@ -389,6 +389,10 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
                          **{n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
     if rank == 0:
         torch.save(results, out)
+    # both ranks past their last collective before gloo's threads go: one rank tearing down
+    # while the other still ran one aborted it once ("terminate called without an active
+    # exception", SIGABRT) in a CPU suite run
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -35,8 +35,9 @@ class Engine:
         return None
 
     def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
-        """Why FP8 from this engine is likely slower than ``model``'s compiled BF16, or None
-        (``bf16_modules``: the layers the policy keeps BF16, which :meth:`convert` leaves)."""
+        """What FP8 from this engine measured against ``model``'s compiled BF16 where it gains
+        little or loses (logged as a warning), or None (``bf16_modules``: the layers the policy
+        keeps BF16, which :meth:`convert` leaves)."""
         return None
 
     def convert(self, model: nn.Module, config: dict[str, Any],

@@ -324,7 +324,7 @@ class FP8PrecisionBase(FabricPrecision):
             return module
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self.bf16_modules = self._plan_bf16(gpt)
-        slower = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
+        note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self._plan_wgrad(gpt)
@@ -334,8 +334,8 @@ class FP8PrecisionBase(FabricPrecision):
         self._record("enabled", f"{reason}; recipe {self.recipe_config}")
         log.info("FP8 %s on %s; BF16 modules: %s", self.recipe_config["recipe"], reason,
                  ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
-        if slower:
-            _warn(slower)
+        if note:
+            _warn(note)
         self._apply_loaded_state()
         return module
 

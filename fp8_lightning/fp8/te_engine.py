@@ -155,8 +155,6 @@ class TEEngine(Engine):
         ``te.Linear`` layers gain little over the model's compiled BF16 (docs/benchmarks.md,
         "Your own model under FP8Precision"); this package's TE model, with its fused layers,
         gains far more."""
-        from .policy import runs_bf16
-
         if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
                    for name, m in self.gemm_modules(model).items()):
             return None
