@@ -43,8 +43,8 @@ MODELS = {
 # name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's other settings);
 # -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
-# tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; -fusedwgrad:
-# the weight gradients summed in FP32 by TE's GEMM (fuse_wgrad_accumulation)
+# tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; TE's GEMMs sum the
+# weight gradients in FP32 by default (fuse_wgrad_accumulation), -bf16wgrad: TE's BF16 ones
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
             "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
@@ -52,7 +52,7 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "delayed": ("delayed", False, {}),
             "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
             "delayed-torch-order": ("delayed", False, {"cudnn_attention": False}),
-            "delayed-fusedwgrad": ("delayed", False, {"fuse_wgrad_accumulation": True}),
+            "delayed-bf16wgrad": ("delayed", False, {"fuse_wgrad_accumulation": False}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
 PROFILED = 5  # steps profiled after the timed ones

@@ -259,12 +259,13 @@ KERNEL_CATEGORIES = (
     ("fp8 cast/transpose/amax", ("cast", "transpose", "amax", "quantize", "fp8", "scale")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")),
     ("loss", ("cross_entropy", "log_softmax", "nll", "logsumexp")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_", "clip")),
+    # the clip's norm kernels (LpNorm, NormTwo), not a compiled LayerNorm's (layer_norm_backward)
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "normtwo", "clip")),
 )
 
 
 def kernel_category(name: str) -> str:
-    low = name.lower()
+    low = name.lower().replace("nocast", "")  # PyTorch's gpu_kernel_impl_nocast is no FP8 cast
     for category, patterns in KERNEL_CATEGORIES:
         if any(p in low for p in patterns):
             return category

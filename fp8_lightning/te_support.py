@@ -40,7 +40,13 @@ def te_status() -> tuple[bool, str]:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # a broken build raises anything from OSError to RuntimeError
-        return False, f"TransformerEngine failed to import: {type(err).__name__}: {err}"
+        hint = ""
+        if "libcudnn" in str(err):
+            # TE loads a system cuDNN (CUDNN_PATH, CUDA_HOME, /usr/local/cuda) before PyTorch's
+            # bundled one; an older system copy then clashes with the one PyTorch loaded
+            hint = ("; a system cuDNN clashes with PyTorch's: point CUDNN_PATH at PyTorch's "
+                    "(python -c \"import nvidia.cudnn; print(nvidia.cudnn.__path__[0])\")")
+        return False, f"TransformerEngine failed to import: {type(err).__name__}: {err}{hint}"
     return True, "TransformerEngine " + te_version()
 
 

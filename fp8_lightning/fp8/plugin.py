@@ -111,7 +111,9 @@ class FP8PrecisionBase(FabricPrecision):
             BF16 gradient converted into FP32, no copy out of a block's CUDA graph;
             :mod:`~fp8_lightning.fp8.wgrad`). Every such weight then gets a gradient each
             backward (zero where a step skips its layer); TE runs these layers eagerly under
-            ``torch.compile``. Default off.
+            ``torch.compile``. Default: on where it can run (measured 1.21x over compiled BF16
+            against 1.18x without, nanoGPT 1.3B on an H200), said in the log; ``false`` keeps
+            TE's BF16 weight gradients.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -128,7 +130,7 @@ class FP8PrecisionBase(FabricPrecision):
                  on_unavailable: Literal["fallback", "error"] = "fallback",
                  cuda_graphs: Optional[bool] = None,
                  cudnn_attention: Optional[bool] = None,
-                 fuse_wgrad_accumulation: bool = False) -> None:
+                 fuse_wgrad_accumulation: Optional[bool] = None) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -140,9 +142,9 @@ class FP8PrecisionBase(FabricPrecision):
             problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
         if cudnn_attention not in (None, True, False):
             problems.append(f"cudnn_attention={cudnn_attention!r}; valid: true, false (or unset)")
-        if fuse_wgrad_accumulation not in (True, False):
+        if fuse_wgrad_accumulation not in (None, True, False):
             problems.append(f"fuse_wgrad_accumulation={fuse_wgrad_accumulation!r}; valid: true, "
-                            "false")
+                            "false (or unset)")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -348,8 +350,13 @@ class FP8PrecisionBase(FabricPrecision):
             return
         capability = (torch.cuda.get_device_capability() if self._device_type == "cuda"
                       else None)
-        cudnn = (torch.backends.cudnn.version() if self._device_type == "cuda" and
-                 torch.backends.cudnn.is_available() else None)
+        cudnn = None
+        if self._device_type == "cuda" and torch.backends.cudnn.is_available():
+            try:
+                cudnn = torch.backends.cudnn.version()
+            except RuntimeError as err:  # a cuDNN other than PyTorch's was loaded first
+                rank_zero_only(log.warning)("cuDNN unusable, PyTorch's attention order kept: %s",
+                                            str(err).splitlines()[0])
         self._cudnn_first, why = prefer_cudnn(self.cudnn_attention, self._device_type,
                                               capability, cudnn)
         said = "cuDNN's attention first"
@@ -371,10 +378,12 @@ class FP8PrecisionBase(FabricPrecision):
         if self.wgrad is not None:
             self.wgrad.remove()
             self.wgrad = None
-        if not self.fuse_wgrad_accumulation:
+        if self.fuse_wgrad_accumulation is False:
             return
         why = ("the torchao engine's layers stay nn.Linear" if self.engine.name != "te" else
                "this package's GPT" if isinstance(gpt, GPT) else "")
+        if why and self.fuse_wgrad_accumulation is None:
+            return  # not asked for, and nothing of it applies here: nothing to say
         modules = []
         if not why:  # the layers the engine swapped in (not TE layers the user built)
             here = set(gpt.modules())

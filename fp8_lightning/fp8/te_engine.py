@@ -160,10 +160,11 @@ class TEEngine(Engine):
             return None
         return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMMs run FP8, and "
                 "torch.compile breaks its graph at each TE module, so the ops between them run "
-                "eagerly; measured a few percent faster than the same model's compiled BF16 at "
-                "1.3B with its blocks replayed as CUDA graphs (cuda_graphs, on by default), "
-                "slower without them; see docs/benchmarks.md, 'Your own model under "
-                "FP8Precision'")
+                "eagerly; measured 1.2x the same model's compiled BF16 for a GPT of 1.3B with "
+                "the plugin's defaults (blocks replayed as CUDA graphs, cuDNN attention, FP32 "
+                "weight gradients), but slower for a Hugging Face Llama of 1B, whose FP32 norms, "
+                "RoPE and SiLU then run eagerly: engine='torchao' (compiled) measured 1.14x "
+                "there; see docs/benchmarks.md, 'Your own model under FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:

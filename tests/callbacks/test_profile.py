@@ -51,6 +51,18 @@ def test_kernel_time_adds_up_by_category_and_ranks_the_kernels():
                               ["cast_transpose_fp8", "fp8 cast/transpose/amax", 1.0, 2.0]]
 
 
+def test_kernels_named_like_another_category_count_where_they_belong():
+    from fp8_lightning.measure import kernel_category
+
+    assert kernel_category("triton_per_fused__to_copy_add_native_layer_norm_backward_view_7") == "other"
+    assert kernel_category("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float>>") \
+        == "optimizer"  # the clip's norm
+    assert kernel_category("reduce_kernel<512, 1, ReduceOp<float, NormTwoOps<float>>>") == "optimizer"
+    # an FP32 multiply of an eager model, not an FP8 cast
+    assert kernel_category("elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<float, "
+                           "float, float, MulFunctor<float>>>>") == "other"
+
+
 def test_the_table_has_a_row_per_rank():
     rows = [split_step([("gemm", 0, 1_000)], 2.0, 1), split_step([("gemm", 0, 1_500)], 2.0, 1)]
     text = format_split(rows, 20, 1).splitlines()
