@@ -181,3 +181,29 @@ def short_fit(tmp_path_factory, name, *overrides):
 def small_vocab_fit(tmp_path_factory):
     """:func:`short_fit` on :func:`small_vocab`, once per test process."""
     return short_fit(tmp_path_factory, "small_vocab", *small_vocab(tmp_path_factory))
+
+
+# Several CPU processes (tests/test_distributed.py, tests/test_fsdp2.py)
+BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
+TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
+
+
+def fit_ranks(root, data, *args, devices=2, config=None):
+    """A quickstart fit of ``devices`` CPU processes (``config``: the strategy's overlay) through
+    the CLI on ``data`` (the ``small_vocab`` arguments); its output."""
+    extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
+             str(devices)] if config else []
+    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra, *data,
+                     "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+                     "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
+                     "--trainer.callbacks.init_args.every_n_train_steps", "3",
+                     "--data.batch_size", str(BATCH), *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def rank_settings(root):
+    """What ``tests.helpers.StrategySettings`` wrote, one dict per rank."""
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted((root / "settings").glob("rank*.json"))]

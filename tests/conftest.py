@@ -44,9 +44,10 @@ def small_vocab(tmp_path_factory):
 # The files with the longest runs (several-process fits, data preparation, resumes) first: with
 # `-n auto --dist loadfile` a file runs in one process, and a long file handed out last leaves
 # the other processes idle at the end.
-LONGEST_FIRST = ("test_distributed.py", "data/test_prepare.py", "test_bad_input.py",
-                 "callbacks/test_checkpoint.py", "commands/test_checkpoints.py", "test_readme.py",
-                 "test_console.py", "test_signals.py", "test_cli.py", "data/test_streaming.py")
+LONGEST_FIRST = ("test_distributed.py", "test_fsdp2.py", "data/test_prepare.py",
+                 "test_bad_input.py", "callbacks/test_checkpoint.py",
+                 "commands/test_checkpoints.py", "test_readme.py", "test_console.py",
+                 "test_signals.py", "test_cli.py", "data/test_streaming.py")
 TESTS = Path(__file__).resolve().parent
 
 

@@ -1,36 +1,16 @@
-"""Several processes on the CPU (gloo): DDP and FSDP2 through the CLI and the shipped configs,
-sharded checkpoints, their consolidation, and the NaN guard's cross-rank decision.
+"""Several processes on the CPU (gloo): DDP through the CLI and the shipped config, a torchrun
+launch, one process emulating two ranks, and the NaN guard's cross-rank decision. FSDP2:
+tests/test_fsdp2.py.
 
 The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
 not the tokenizer."""
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, consolidate_checkpoint, list_checkpoints,
-                                      load_checkpoint_file)
-from fp8_lightning.cli import main
-from fp8_lightning.module import GPTLightningModule
-from tests._runs import ROOT, run_cli, run_main
-
-BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
-TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
-
-
-def fit(root, data, *args, devices=2, config=None):
-    """A quickstart fit through the CLI on ``data`` (the ``small_vocab`` arguments)."""
-    extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
-             str(devices)] if config else []
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra, *data,
-                     "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
-                     "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
-                     "--trainer.callbacks.init_args.every_n_train_steps", "3",
-                     "--data.batch_size", str(BATCH), *args)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+from fp8_lightning.checkpoint import load_checkpoint_file
+from tests._runs import BATCH, ROOT, TOKENS_PER_STEP, fit_ranks, rank_settings, run_main
 
 
 def digests(path):
@@ -40,17 +20,18 @@ def digests(path):
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory, small_vocab):
     root = tmp_path_factory.mktemp("ddp")
-    first = fit(root, small_vocab, "--trainer.max_steps", "6",
-                "--trainer.callbacks+=fp8_lightning.FaultInjection",
-                "--trainer.callbacks.kind", "grad", "--trainer.callbacks.steps", "[2]",
-                "--trainer.callbacks.ranks", "[1]",
-                "--trainer.callbacks+=tests.helpers.RankDigest",
-                "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
-    second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
-                 "--trainer.callbacks+=tests.helpers.RankDigest",
-                 "--trainer.callbacks.path", str(root / "digest2"),
-                 "--trainer.callbacks+=tests.helpers.StrategySettings",
-                 "--trainer.callbacks.path", str(root / "settings"), config="configs/ddp.yaml")
+    first = fit_ranks(root, small_vocab, "--trainer.max_steps", "6",
+                      "--trainer.callbacks+=fp8_lightning.FaultInjection",
+                      "--trainer.callbacks.kind", "grad", "--trainer.callbacks.steps", "[2]",
+                      "--trainer.callbacks.ranks", "[1]",
+                      "--trainer.callbacks+=tests.helpers.RankDigest",
+                      "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
+    second = fit_ranks(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
+                       "--trainer.callbacks+=tests.helpers.RankDigest",
+                       "--trainer.callbacks.path", str(root / "digest2"),
+                       "--trainer.callbacks+=tests.helpers.StrategySettings",
+                       "--trainer.callbacks.path", str(root / "settings"),
+                       config="configs/ddp.yaml")
     return root, first, second
 
 
@@ -74,206 +55,14 @@ def test_ddp_checkpoint_counts_every_rank_and_resumes_in_step(ddp_runs):
     assert len(d) == 2 and len(set(d.values())) == 1, d
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory, small_vocab):
-    root = tmp_path_factory.mktemp("fsdp")
-    # With activation checkpointing (the 8B configs' memory lever) in the first run only: the
-    # recompute runs inside FSDP2's per-block unshard, and the checkpoint does not depend on it.
-    # keep_last 1: the sharded step-3 copy is rotated out when step 6's is written
-    first = fit(root, small_vocab, "--trainer.max_steps", "6",
-                "--model.activation_checkpointing", "full",
-                "--trainer.callbacks.init_args.keep_last", "1", config="configs/fsdp.yaml")
-    (root / "after6").mkdir()
-    for name in (".metadata", "meta.pt"):  # the step-6 checkpoint's index, for the checks below
-        (root / "after6" / name).write_bytes((root / "checkpoints/last.ckpt" / name).read_bytes())
-    second = fit(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
-                 "--trainer.callbacks+=tests.helpers.StrategySettings",
-                 "--trainer.callbacks.path", str(root / "settings"), config="configs/fsdp.yaml")
-    return root, first, second
-
-
-def settings(root):
-    import json
-
-    return [json.loads(p.read_text()) for p in sorted((root / "settings").glob("rank*.json"))]
-
-
 def test_ddp_applies_the_overlays_bucket_settings_on_every_rank(ddp_runs):
     """configs/ddp.yaml: gradients live in the all-reduce buckets (no copy), PyTorch's default
     25 MiB buckets, no search for unused parameters (every parameter gets a gradient)."""
     root, _, _ = ddp_runs
-    ranks = settings(root)
+    ranks = rank_settings(root)
     assert len(ranks) == 2 and ranks[0] == ranks[1]
     assert ranks[0] == {"strategy": "ddp", "gradient_as_bucket_view": True, "bucket_cap_mb": 25.0,
                         "find_unused_parameters": False}
-
-
-def test_fsdp2_groups_small_blocks_in_one_unit_keeps_the_root_and_gathers_bf16(fsdp_runs):
-    """configs/fsdp.yaml on every rank, its layout chosen: the tiny model's blocks (far below
-    UNIT_PARAMS) sharded as one unit, whose weights backward needs first and so are not freed
-    after forward, the root's kept for the backward too, BF16 gathers where the run's weights are
-    bf16-mixed (fp32 on this CPU: the policy follows the precision that runs)."""
-    root, _, _ = fsdp_runs
-    ranks = settings(root)
-    assert len(ranks) == 2 and ranks[0] == ranks[1]
-    blocks, root_unit = ranks[0]["blocks"], ranks[0]["root"]
-    assert ranks[0]["strategy"] == "fsdp2" and len(blocks) == 2 and ranks[0]["units"] == 1
-    assert not any(b["reshard_after_forward"] for b in blocks)
-    assert not root_unit["reshard_after_forward"]
-    assert len({b["param_dtype"] for b in blocks + [root_unit]}) == 1
-
-
-def built_on(device, config):
-    """Where FSDP2Strategy's init context, on ``device``, puts a tensor built for ``config``."""
-    from fp8_lightning.distributed import FSDP2Strategy
-
-    strategy = FSDP2Strategy()
-    strategy.parallel_devices = [torch.device(device)]
-    strategy.connect(GPTLightningModule(config))
-    with strategy.tensor_init_context():
-        built = torch.empty(1).device.type
-    with strategy.tensor_init_context(empty_init=True):
-        assert torch.empty(1).is_meta  # asked for the meta device: Lightning's way
-    return built
-
-
-def test_fsdp2_builds_on_the_cpu_when_its_device_is_the_cpu():
-    """(On a GPU the model builds there: test_gpu_fast_path.)"""
-    from fp8_lightning.config import GPTConfig
-
-    assert built_on("cpu", GPTConfig.from_name("gpt2")) == "cpu"
-
-
-def test_fsdp2_layout_follows_the_settings_and_the_memory_estimate():
-    """FSDP2Strategy's layout: given settings as given; otherwise weights kept gathered only when
-    the run fits one GPU unsharded (not when it does not, nor when unknown), and blocks grouped
-    into units of about UNIT_PARAMS parameters (GPT-2 124M: one unit, 1.3B: 4 blocks a unit,
-    Llama-3-8B: a block a unit)."""
-    from fp8_lightning.config import GPTConfig
-    from fp8_lightning.distributed import fsdp2_layout
-    from fp8_lightning.model import GPT
-
-    with torch.device("meta"):  # the real shapes, no memory
-        gpt2, big, llama = (GPT(GPTConfig.from_name(name), backend="torch")
-                            for name in ("gpt2", "gpt-1.3b", "llama3-8b"))
-    assert fsdp2_layout(gpt2, True, 1, True)[:2] == (True, 1)
-    assert fsdp2_layout(gpt2, None, None, True)[:2] == (False, 12)
-    assert fsdp2_layout(gpt2, None, None, False)[0] is True
-    assert fsdp2_layout(gpt2, None, None, None)[0] is True
-    assert fsdp2_layout(big, None, None, True)[1] == 4
-    assert fsdp2_layout(llama, None, None, False)[:2] == (True, 1)
-    assert "12 blocks in 1 unit(s)" in fsdp2_layout(gpt2, None, None, True)[2]
-
-
-def test_fsdp2_on_a_run_that_fits_one_gpu_says_ddp_is_faster():
-    """The FSDP2 strategy's advice: DDP where the memory estimate says the run fits one GPU
-    unsharded; nothing where it does not, or where nothing was estimated (no GPU)."""
-    from fp8_lightning.distributed import ddp_is_faster
-
-    assert "configs/ddp.yaml" in ddp_is_faster(True)
-    assert ddp_is_faster(False) is None and ddp_is_faster(None) is None
-
-
-def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
-    root, first, second = fsdp_runs
-    last = root / "checkpoints" / "last.ckpt"
-    assert last.is_dir()
-    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                      "meta.pt"]
-    assert not [p for p in last.parent.iterdir() if p.name.startswith(".")]  # no temporaries
-    assert "data: resumed at block" in second and "(verified)" in second
-    assert "Restored all states from the checkpoint" in second
-    assert "activation checkpointing: full, 2 of 2 blocks" in first
-    rows = {r["file"]: r for r in list_checkpoints(str(root / "checkpoints"))}
-    assert rows["last.ckpt/"]["step"] == 9 and rows["last.ckpt/"]["tokens"] == 9 * TOKENS_PER_STEP * 2
-    assert rows["last.ckpt/"]["size"] > 1e6
-
-
-def test_fsdp_keep_last_rotates_sharded_checkpoint_directories(fsdp_runs):
-    """Checkpoint(keep_last=1) under FSDP2: each last.ckpt directory is kept as a step-N copy
-    (links to its shards), the older copy removed, and the copy survives last.ckpt's replacement
-    by the resumed run (step 9) with the step-6 state."""
-    root, first, _ = fsdp_runs
-    ckpts = root / "checkpoints"
-    kept = sorted(p.name for p in ckpts.glob("step-*.ckpt"))
-    assert kept == ["step-0000006.ckpt"], (kept, first[-2000:])
-    copy = ckpts / "step-0000006.ckpt"
-    assert copy.is_dir() and sorted(p.name for p in copy.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    rows = {r["file"]: r for r in list_checkpoints(str(ckpts))}
-    assert rows["step-0000006.ckpt/"]["step"] == 6 and rows["last.ckpt/"]["step"] == 9
-
-
-def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process(
-        fsdp_runs, small_vocab, tmp_path, capsys):
-    root, _, _ = fsdp_runs
-    out = tmp_path / "one.ckpt"
-    main(["consolidate", str(root / "checkpoints" / "last.ckpt"), str(out)])  # (in this process)
-    ckpt = load_checkpoint_file(out)
-    # Full tensors under the single-GPU names, loadable into a plain (unsharded) module ...
-    module = GPTLightningModule(config=ckpt["hyper_parameters"]["config"], backend="torch",
-                                lr_decay_steps=100)
-    module.configure_model()
-    module.load_state_dict(ckpt["state_dict"])
-    # ... and optimizer state that maps onto the same parameters (by position, like Lightning).
-    optimizer = module.configure_optimizers()["optimizer"]
-    optimizer.load_state_dict(ckpt["optimizer_states"][0])
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            assert optimizer.state[p]["exp_avg"].shape == p.shape
-            assert int(optimizer.state[p]["step"]) == 9
-    # One process, no strategy: training continues from step 9 with that optimizer state.
-    log = fit(tmp_path / "single", small_vocab, "--trainer.max_steps", "10",
-              "--ckpt_path", str(out))
-    assert "Restored all states from the checkpoint" in log and "(verified)" in log
-    # generate reads the sharded directory directly.
-    capsys.readouterr()
-    main(["generate", "--ckpt", str(root / "checkpoints" / "last.ckpt"), "--max_new_tokens", "4",
-          "--prompt", "ROMEO:"])
-    assert capsys.readouterr().out.startswith("ROMEO:")
-
-
-def test_a_sharded_checkpoint_consolidates_on_the_cpu_whatever_the_default_device(fsdp_runs):
-    """FSDP2Strategy builds (and so reads model.init_from) under its GPU as the default device;
-    the consolidated checkpoint still lands on the CPU, not whole on every rank's GPU (here the
-    meta device stands in for the GPU)."""
-    from fp8_lightning.checkpoint import consolidate_checkpoint
-
-    with torch.device("meta"):
-        state = consolidate_checkpoint(fsdp_runs[0] / "checkpoints" / "last.ckpt")
-    tensors = list(state["state_dict"].values())
-    assert tensors and all(t.device.type == "cpu" for t in tensors)
-
-
-def test_fsdp_sharded_checkpoint_converts_to_hugging_face(fsdp_runs, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from fp8_lightning.commands.generate import load_model
-    from fp8_lightning.commands.convert import checkpoint_to_hf
-
-    last = fsdp_runs[0] / "checkpoints" / "last.ckpt"
-    out = checkpoint_to_hf(str(last), str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    ours = load_model(str(last), device="cpu", backend="torch")[0]
-    idx = torch.randint(0, ours.config.vocab_size, (1, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx), atol=1e-4, rtol=0)
-
-
-def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path, capsys):
-    root, _, _ = fsdp_runs
-    torn = tmp_path / "torn.ckpt"
-    torn.mkdir()
-    (torn / "meta.pt").write_bytes((root / "after6" / "meta.pt").read_bytes())
-    with pytest.raises(CheckpointError, match="without .metadata"):
-        load_checkpoint_file(torn)
-    (torn / ".metadata").write_bytes((root / "after6" / ".metadata").read_bytes())
-    with pytest.raises(CheckpointError, match="shards could not be read"):
-        consolidate_checkpoint(torn)  # the index is there, the shard files are not
-    code, _, err = run_main(capsys, ["consolidate", str(root / "checkpoints" / "nope.ckpt")])
-    assert code == 2 and "does not exist" in err
-    code, _, err = run_main(capsys, ["consolidate", str(root / "checkpoints" / "last.ckpt"),
-                                     str(tmp_path)])
-    assert code == 2 and "is a directory; give a file name" in err
 
 
 def test_torchrun_launch_is_picked_up_by_lightning(tmp_path, small_vocab):
@@ -313,20 +102,20 @@ def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path, 
             steps.setdefault(row["step"], []).extend(row["samples"])
         return {step: sorted(s) for step, s in steps.items()}
 
-    fit(tmp_path / "ddp", small_vocab, *small, "--trainer.callbacks.path",
-        str(tmp_path / "ddp.jsonl"), config="configs/ddp.yaml")
-    log = fit(tmp_path / "one", small_vocab, *small, "--trainer.callbacks.path",
-              str(tmp_path / "one.jsonl"), "--data.emulate_ranks", "2",
-              "--trainer.accumulate_grad_batches", "2")
+    fit_ranks(tmp_path / "ddp", small_vocab, *small, "--trainer.callbacks.path",
+              str(tmp_path / "ddp.jsonl"), config="configs/ddp.yaml")
+    log = fit_ranks(tmp_path / "one", small_vocab, *small, "--trainer.callbacks.path",
+                    str(tmp_path / "one.jsonl"), "--data.emulate_ranks", "2",
+                    "--trainer.accumulate_grad_batches", "2")
     assert "emulating 2 data-parallel ranks" in log
     ddp, one = samples_per_step(tmp_path / "ddp.jsonl"), samples_per_step(tmp_path / "one.jsonl")
     assert sorted(ddp) == sorted(one) == [0, 1, 2, 3]
     assert all(len(ddp[s]) == 8 for s in ddp)  # 2 ranks x 4
     assert ddp == one
     # A normal run (no emulation) reads another order: the comparison above is not vacuous.
-    fit(tmp_path / "plain", small_vocab, *small[:-1], "--data.batch_size", "8",
-        "--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path",
-        str(tmp_path / "plain.jsonl"))
+    fit_ranks(tmp_path / "plain", small_vocab, *small[:-1], "--data.batch_size", "8",
+              "--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path",
+              str(tmp_path / "plain.jsonl"))
     assert samples_per_step(tmp_path / "plain.jsonl") != ddp
 
 
@@ -337,122 +126,3 @@ def test_emulate_ranks_needs_matching_accumulation(tmp_path, small_vocab, capsys
                                      str(tmp_path), "--data.emulate_ranks", "2"])
     assert code == 2
     assert "data.emulate_ranks=2 needs trainer.accumulate_grad_batches=2" in err
-
-
-def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "torch",
-                  fp8: bool = False, **shard: Any) -> None:
-    """One of two ranks (gloo on the CPU, NCCL on two GPUs): a tiny Llama sharded with FSDP2 per
-    block as FSDP2Strategy shards it (BF16 gathers, fp32 reduction; ``shard``: more arguments of
-    ``shard_model``), one step per activation-checkpointing mode under BF16 autocast (TE: FP8
-    delayed scaling with ``fp8``); rank 0 saves each mode's loss and full gradients."""
-    import contextlib
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from fp8_lightning.config import GPTConfig
-    from fp8_lightning.distributed import gather_policy, shard_model
-    from fp8_lightning.model import GPT
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = "cuda" if backend == "te" else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh(device, (2,))
-    idx = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(rank)).to(device)
-
-    def fp8_context():
-        if not fp8:
-            return contextlib.nullcontext()
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import DelayedScaling
-
-        return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling())
-
-    results = {}
-    for mode in modes:
-        torch.manual_seed(0)
-        # 16-aligned GEMM dims, as FP8 needs
-        config = GPTConfig(name="tiny-llama", n_layer=2, n_embd=128, ffn_hidden=256,
-                           block_size=64, vocab_size=512)
-        model = GPT(config, backend=backend, activation_checkpointing=mode).to(device)
-        shard_model(model, mesh, mp_policy=gather_policy("bf16-mixed"), **shard)
-        # FP8: a second pass over the same batch, compared there. The first pass's delayed-scaling
-        # update between forward and backward changes the scales TE's MLP recompute (mlp) uses.
-        for _ in range(2 if fp8 else 1):
-            model.zero_grad()
-            with torch.autocast(device, dtype=torch.bfloat16), fp8_context():
-                loss = model(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-        results[mode] = {"loss": loss.detach().cpu(),
-                         **{n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
-    if rank == 0:
-        torch.save(results, out)
-    # both ranks past their last collective before gloo's threads go: one rank tearing down
-    # while the other still ran one aborted it once ("terminate called without an active
-    # exception", SIGABRT) in a CPU suite run
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
-    """:func:`sharded_grads` on two spawned ranks; rank 0's results."""
-    import tempfile
-    import functools
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp(dir=tmp_path)) / "grads.pt"
-    mp.start_processes(functools.partial(sharded_grads, **kwargs), args=(port, str(out), modes),
-                       nprocs=2, start_method="spawn")
-    return torch.load(out)
-
-
-@pytest.fixture(scope="module")
-def per_block_grads(tmp_path_factory) -> dict:
-    """:func:`sharded_grads` on two gloo ranks, a block a unit, each block freed after forward."""
-    return run_two_ranks(tmp_path_factory.mktemp("grads"), ("none", "full", "mlp"))
-
-
-def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(
-        per_block_grads):
-    """Recomputing a sharded block in the backward (full, mlp) reproduces the gradients of no
-    checkpointing exactly, on the PyTorch backend over two gloo ranks."""
-    grads = per_block_grads
-    assert len(grads["none"]) > 10
-    for mode in ("full", "mlp"):
-        for name, grad in grads["none"].items():
-            assert torch.equal(grads[mode][name], grad), (mode, name)
-
-
-def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradients(
-        per_block_grads, tmp_path):
-    """FSDP2Strategy(blocks_per_unit, reshard_after_forward=False): both blocks gathered and
-    reduced as one unit and not freed between forward and backward change when the collectives
-    run, not what they compute: the same loss and gradients, exactly (two gloo ranks), with and
-    without activation checkpointing."""
-    per_block = per_block_grads
-    grouped = run_two_ranks(tmp_path, ("none", "full"), blocks_per_unit=2,
-                            reshard_after_forward=False)
-    for mode in ("none", "full"):
-        assert per_block[mode].keys() == grouped[mode].keys()
-        for name, value in per_block[mode].items():
-            assert torch.equal(grouped[mode][name], value), (mode, name)
-
-
-def test_a_units_later_blocks_get_their_floating_inputs_cast_as_its_first():
-    """The pre-hook shard_model puts on a unit's later blocks (PyTorch before #180428 casts the
-    first block's inputs only): floating tensors to the gather dtype, others as they are; nothing
-    done (None) when every input already has it."""
-    from fp8_lightning.distributed import _cast_floating_inputs
-
-    x, cos, ids = torch.ones(2, 3), torch.ones(3, dtype=torch.float64), torch.arange(3)
-    args, kwargs = _cast_floating_inputs(torch.bfloat16, None, (x, cos, ids), {"s": torch.ones(1)})
-    assert [a.dtype for a in args] == [torch.bfloat16, torch.bfloat16, torch.int64]
-    assert kwargs["s"].dtype == torch.bfloat16
-    assert _cast_floating_inputs(torch.bfloat16, None, (x.bfloat16(), ids), {}) is None

@@ -105,7 +105,7 @@ def test_activation_checkpointing_under_fsdp2_matches_none_on_two_gpus(tmp_path,
     """TE blocks sharded with FSDP2 on two GPUs: recomputing them (full, mlp) gives the gradients
     of no checkpointing: finite and bit-identical in BF16; in FP8 finite, with the total gradient
     norm within 2% (TE's LayerNormMLP recompute under delayed scaling is not bit-identical)."""
-    from tests.test_distributed import run_two_ranks
+    from tests.test_fsdp2 import run_two_ranks
 
     grads = run_two_ranks(tmp_path, ("none", "full", "mlp"), backend="te", fp8=fp8)
     params = [n for n in grads["none"] if n != "loss"]

@@ -194,7 +194,7 @@ def test_fsdp2_builds_the_model_on_the_gpu_unless_it_would_crowd_it():
     """Lightning's ModelParallelStrategy builds on the CPU (about two minutes for Llama-3-8B under
     torchrun); FSDP2Strategy builds on the GPU, where the whole model waits for fully_shard,
     unless its fp32 parameters would take more than half the free memory."""
-    from tests.test_distributed import built_on
+    from tests.test_fsdp2 import built_on
 
     assert built_on("cuda:0", GPTConfig.from_name("gpt2")) == "cuda"
     assert built_on("cuda:0", GPTConfig.from_name("llama3-8b", n_layer=800)) == "cpu"  # ~100B

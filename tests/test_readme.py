@@ -139,9 +139,9 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_readme.py::test_fit_commands_run_a_step",
         "tests/test_gpu_ddp.py::test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4":
-        ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
+        ("tests/test_fsdp2.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.devices 4 --ckpt_path last":
-        ("tests/test_distributed.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
+        ("tests/test_fsdp2.py::test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes", GPU),
     # Llama-3-8B on two GPUs: parsed and built on the meta device here; the memory levers on a GPU.
     "python -m fp8_lightning fit --config configs/llama3_8b_fp8.yaml --data.data_dir data/text":
         ("tests/test_readme.py::test_the_8b_configs_parse_and_build_the_full_model_on_the_meta_device",
@@ -150,7 +150,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("tests/test_readme.py::test_fit_commands_run_a_step",
          "tests/test_gpu_memory.py::test_activation_checkpointing_under_fp8_matches_and_keeps_less"),
     "python -m fp8_lightning consolidate runs/gpt2_fp8/checkpoints/last.ckpt runs/gpt2_fp8/gpt2-step5000.ckpt":
-        ("tests/test_distributed.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
+        ("tests/test_fsdp2.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint head-node:29500 -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.num_nodes 2 --trainer.devices 8":
         ("tests/test_distributed.py::test_torchrun_launch_is_picked_up_by_lightning",),  # one node, 2 processes
     "srun python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml --trainer.num_nodes 2 --trainer.devices 8":
@@ -262,7 +262,7 @@ def parse_only(argv: list[str]) -> str:
     if "--model.init_from" in argv:
         return "needs a Hugging Face model directory: tests/test_hf.py fine-tunes tiny ones"
     if any(a in ("configs/ddp.yaml", "configs/fsdp.yaml") for a in argv):
-        return "several processes: tests/test_distributed.py runs DDP/FSDP2 on the CPU"
+        return "several processes: tests/test_distributed.py and test_fsdp2.py run DDP/FSDP2 on the CPU"
     if "--data.data_dir" in argv:
         return "needs the user's prepared corpus"
     return ""
