@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import re
 import platform
 import subprocess
 import sys
@@ -253,19 +254,25 @@ def host_ms(step: Callable[[], Any], device: torch.device, repeats: int = 3
     return sorted(times)[len(times) // 2], "issued while the GPU was busy"
 
 
-# Kernel-name patterns -> profile category (first match wins), for `bench --profile`.
+# Kernel-name patterns -> profile category (first match wins), for `bench --profile`. GEMMs
+# before casts: PyTorch's FP8 _scaled_mm kernels carry "FP8" in their names.
 KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "attn", "sdpa", "cudnn")),
-    ("fp8 cast/transpose/amax", ("cast", "transpose", "amax", "quantize", "fp8", "scale")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")),
+    ("fp8 cast/transpose/amax", ("cast", "transpose", "amax", "quantize", "fp8", "scale")),
     ("loss", ("cross_entropy", "log_softmax", "nll", "logsumexp")),
     # the clip's norm kernels (LpNorm, NormTwo), not a compiled LayerNorm's (layer_norm_backward)
     ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "normtwo", "clip")),
 )
 
 
+# PyTorch's elementwise machinery names its dtype handling (gpu_kernel_impl_nocast,
+# LoadWithCast/StoreWithoutCast, FSDP2's ..._no_cast_kernel): none of them is an FP8 cast
+_NOT_A_CAST = re.compile(r"no_?cast|(load|store)_?with(out)?_?cast")
+
+
 def kernel_category(name: str) -> str:
-    low = name.lower().replace("nocast", "")  # PyTorch's gpu_kernel_impl_nocast is no FP8 cast
+    low = _NOT_A_CAST.sub("", name.lower())
     for category, patterns in KERNEL_CATEGORIES:
         if any(p in low for p in patterns):
             return category

@@ -45,7 +45,8 @@ def te_status() -> tuple[bool, str]:
             # TE loads a system cuDNN (CUDNN_PATH, CUDA_HOME, /usr/local/cuda) before PyTorch's
             # bundled one; an older system copy then clashes with the one PyTorch loaded
             hint = ("; a system cuDNN clashes with PyTorch's: point CUDNN_PATH at PyTorch's "
-                    "(python -c \"import nvidia.cudnn; print(nvidia.cudnn.__path__[0])\")")
+                    "(python -c \"import nvidia.cudnn; print(nvidia.cudnn.__path__[0])\") and "
+                    "put its lib first on LD_LIBRARY_PATH (cuDNN opens its parts by name)")
         return False, f"TransformerEngine failed to import: {type(err).__name__}: {err}{hint}"
     return True, "TransformerEngine " + te_version()
 

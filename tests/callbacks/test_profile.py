@@ -51,16 +51,25 @@ def test_kernel_time_adds_up_by_category_and_ranks_the_kernels():
                               ["cast_transpose_fp8", "fp8 cast/transpose/amax", 1.0, 2.0]]
 
 
-def test_kernels_named_like_another_category_count_where_they_belong():
+@pytest.mark.parametrize("name, category", [
+    # a compiled LayerNorm's backward, not the clip's norm
+    ("triton_per_fused__to_copy_add_native_layer_norm_backward_view_7", "other"),
+    ("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float>>", "optimizer"),
+    ("reduce_kernel<512, 1, ReduceOp<float, NormTwoOps<float>>>", "optimizer"),
+    # PyTorch's dtype handling in an eager model's elementwise ops, not FP8 casts
+    ("elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<float, float, float, "
+     "MulFunctor<float>>>>", "other"),
+    ("unrolled_elementwise_kernel<MulFunctor<float>, Array<char*, 3>, TrivialOffsetCalculator<2>, "
+     "TrivialOffsetCalculator<1>, LoadWithCast<2>, StoreWithCast<1>>", "other"),
+    ("split_with_sizes_copy_out_contiguous_no_cast_kernel", "other"),
+    # an FP8 GEMM of PyTorch's _scaled_mm is a GEMM
+    ("cutlass::device_kernel<KernelTmaWarpSpecializedPingpongFP8FastAccum>", "gemm"),
+    ("cast_transpose_optimized_kernel<__nv_bfloat16, __nv_fp8_e4m3>", "fp8 cast/transpose/amax"),
+])
+def test_kernels_named_like_another_category_count_where_they_belong(name, category):
     from fp8_lightning.measure import kernel_category
 
-    assert kernel_category("triton_per_fused__to_copy_add_native_layer_norm_backward_view_7") == "other"
-    assert kernel_category("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float>>") \
-        == "optimizer"  # the clip's norm
-    assert kernel_category("reduce_kernel<512, 1, ReduceOp<float, NormTwoOps<float>>>") == "optimizer"
-    # an FP32 multiply of an eager model, not an FP8 cast
-    assert kernel_category("elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<float, "
-                           "float, float, MulFunctor<float>>>>") == "other"
+    assert kernel_category(name) == category
 
 
 def test_the_table_has_a_row_per_rank():
