@@ -14,8 +14,8 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import re
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -279,6 +279,21 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def kernel_table(per_kernel: dict[str, tuple[float, float]], top: int
+                 ) -> tuple[dict[str, float], list[list[Any]]]:
+    """From each kernel's (ms, calls) a step: GPU time by category (ms a step, with ``total``)
+    and the ``top`` kernels by time ([name, category, ms per step, calls per step])."""
+    totals: dict[str, float] = {}
+    kernels = []
+    for name, (ms, calls) in per_kernel.items():
+        category = kernel_category(name)
+        totals[category] = totals.get(category, 0.0) + ms
+        kernels.append([name[:160], category, round(ms, 3), calls])
+    totals["total"] = sum(totals.values())
+    kernels.sort(key=lambda k: -k[2])
+    return {k: round(v, 3) for k, v in sorted(totals.items())}, kernels[:top]
+
+
 def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3, top: int = 40
                  ) -> tuple[dict[str, float], list[list[Any]]]:
     """GPU kernel time per step by category (ms), from the PyTorch profiler over ``steps``, and
@@ -289,18 +304,12 @@ def profile_step(step: Callable[[], Any], device: torch.device, steps: int = 3, 
         for _ in range(steps):
             step()
         torch.cuda.synchronize(device)
-    totals: dict[str, float] = {}
-    kernels = []
+    per_kernel = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if us and event.device_type.name == "CUDA":
-            category = kernel_category(event.key)
-            totals[category] = totals.get(category, 0.0) + us / 1e3 / steps
-            kernels.append([event.key[:160], category, round(us / 1e3 / steps, 3),
-                            event.count / steps])
-    totals["total"] = sum(totals.values())
-    kernels.sort(key=lambda k: -k[2])
-    return {k: round(v, 3) for k, v in sorted(totals.items())}, kernels[:top]
+            per_kernel[event.key] = (us / 1e3 / steps, event.count / steps)
+    return kernel_table(per_kernel, top)
 
 
 def host_profile(step: Callable[[], Any], steps: int = 3, top: int = 12) -> list[list[Any]]:

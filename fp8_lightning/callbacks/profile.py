@@ -90,24 +90,19 @@ def split_step(kernels: list[tuple[str, float, float]], wall_ms: float, steps: i
 
 def kernel_summary(kernels: list[tuple[str, float, float]], steps: int, top: int = 30
                    ) -> dict[str, Any]:
-    """Per step, in ms: GPU kernel time by category (``measure.kernel_category``) and the
-    ``top`` kernels by time (``[name, category, ms, calls]``): where the compute goes."""
-    from ..measure import kernel_category
+    """Per step, in ms: GPU kernel time by category and the ``top`` kernels by time
+    (``[name, category, ms, calls]``; :func:`~fp8_lightning.measure.kernel_table`): where the
+    compute goes."""
+    from ..measure import kernel_table
 
-    by_name: dict[str, list[float]] = {}
+    totals: dict[str, list[float]] = {}  # name -> [us, calls] over the steps
     for name, start, end in kernels:
-        entry = by_name.setdefault(name, [0.0, 0])
-        entry[0] += (end - start) / 1e3 / steps
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += end - start
         entry[1] += 1
-    categories: dict[str, float] = {}
-    for name, (ms, _) in by_name.items():
-        category = kernel_category(name)
-        categories[category] = categories.get(category, 0.0) + ms
-    categories["total"] = sum(categories.values())
-    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
-    return {"categories": {k: round(v, 3) for k, v in sorted(categories.items())},
-            "top": [[name[:160], kernel_category(name), round(ms, 3), calls / steps]
-                    for name, (ms, calls) in ranked]}
+    categories, ranked = kernel_table(
+        {name: (us / 1e3 / steps, calls / steps) for name, (us, calls) in totals.items()}, top)
+    return {"categories": categories, "top": ranked}
 
 
 def format_split(rows: list[dict[str, Optional[float]]], first: int, steps: int) -> str:

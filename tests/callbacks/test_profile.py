@@ -109,3 +109,18 @@ def test_a_run_that_ends_inside_the_window_reports_the_steps_it_ran(tmp_path):
     trainer.fit(module, torch.utils.data.DataLoader(Tokens(), batch_size=4))
     assert profile.result is not None and profile.result[0]["step_ms"] > 0
     assert not list(tmp_path.rglob("step_profile.json"))  # no logger, no file
+
+
+def test_the_bench_profile_and_the_callback_share_one_kernel_table():
+    """measure.profile_step (bench --profile) and StepProfile (kernel_summary) rank and sum the
+    kernels the same way: one table from each kernel's ms and calls a step."""
+    from fp8_lightning.measure import kernel_table
+
+    totals, top = kernel_table({"nvjet_sm90_tst_gemm": (3.0, 1.0), "cast_transpose_fp8": (1.0, 2.0),
+                                "elementwise_kernel<add>": (0.1, 1.0)}, top=2)
+    assert totals == {"fp8 cast/transpose/amax": 1.0, "gemm": 3.0, "other": 0.1, "total": 4.1}
+    assert top == [["nvjet_sm90_tst_gemm", "gemm", 3.0, 1.0],
+                   ["cast_transpose_fp8", "fp8 cast/transpose/amax", 1.0, 2.0]]
+    events = [("nvjet_sm90_tst_gemm", 0, 3_000), ("cast_transpose_fp8", 3_000, 3_500),
+              ("cast_transpose_fp8", 4_000, 4_500), ("elementwise_kernel<add>", 5_000, 5_100)]
+    assert kernel_summary(events, steps=1, top=2) == {"categories": totals, "top": top}
