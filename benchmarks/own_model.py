@@ -7,6 +7,9 @@ Usage:
     python benchmarks/own_model.py --model nanogpt-1.3b --gpus 0 1
     python benchmarks/own_model.py --model llama-1b --variants bf16 tensorwise delayed
 
+``--accumulate N``: an optimizer step every N micro-batches (Lightning's ``accumulate_grad_batches``),
+as a run with a larger global batch takes them; steps and windows count optimizer steps.
+
 Prints one JSON line per variant (tok/s: the median of 10-step windows after the warm-up, the
 precision that ran, peak memory), then a table with each variant over the faster BF16 and, from
 ``StepProfile`` over 5 steps after the timed ones, each step's GPU compute and GPU idle (host-bound)
@@ -44,7 +47,8 @@ MODELS = {
 # -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
 # tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; TE's GEMMs sum the
-# weight gradients in FP32 by default (fuse_wgrad_accumulation), -bf16wgrad: TE's BF16 ones
+# weight gradients in FP32 by default (fuse_wgrad_accumulation), -bf16wgrad: TE's BF16 ones;
+# -fusedmlp: LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP (fuse_mlp)
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
             "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
@@ -53,6 +57,7 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
             "delayed-torch-order": ("delayed", False, {"cudnn_attention": False}),
             "delayed-bf16wgrad": ("delayed", False, {"fuse_wgrad_accumulation": False}),
+            "delayed-fusedmlp": ("delayed", False, {"fuse_mlp": True}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
 PROFILED = 5  # steps profiled after the timed ones
@@ -94,7 +99,7 @@ def lit_module(name: str, compile: bool):
     return LitLlama()
 
 
-def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
+def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: int = 1) -> dict:
     import lightning as L
     import torch
 
@@ -103,33 +108,38 @@ def run_variant(model: str, variant: str, steps: int, warmup: int) -> dict:
 
     recipe, compile, settings = VARIANTS[variant]
     _, dims, batch = MODELS[model]
-    tokens = batch * SEQ
+    tokens = batch * SEQ * accumulate  # per optimizer step
     times: list[float] = []
 
     class Clock(L.Callback):  # a synchronised time stamp every 10 steps after the warm-up
+        seen: set[int] = set()  # global_step repeats over an accumulation's micro-batches
+
         def on_train_batch_end(self, trainer, *args) -> None:
             step = trainer.global_step
-            if step >= warmup and (step - warmup) % 10 == 0:
+            if step >= warmup and (step - warmup) % 10 == 0 and step not in self.seen:
+                self.seen.add(step)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter())
 
     L.seed_everything(0)
     module = lit_module(model, compile)
     vocab = dims["vocab_size"]
-    data = torch.randint(0, vocab, ((steps + PROFILED + 1) * batch, SEQ + 1))
+    data = torch.randint(0, vocab, ((steps + PROFILED + 1) * accumulate * batch, SEQ + 1))
     plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
     # profiled after the timed steps: the profiler's own cost stays out of tok/s
     profile = StepProfile(start_step=steps, steps=PROFILED, top=80)
     trainer = L.Trainer(max_steps=steps + PROFILED + 1, accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
+                        accumulate_grad_batches=accumulate,
                         callbacks=[Clock(), profile], **({"plugins": [plugin]} if plugin else
                                                          {"precision": "bf16-mixed"}))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True))
     split = (profile.result or [{}])[0]
     rates = [10 * tokens / (b - a) for a, b in zip(times, times[1:])]
     graphs = getattr(plugin, "graphs", None)
-    return {"model": model, "variant": variant, "tok_s": round(statistics.median(rates)),
+    return {"model": model, "variant": variant, "accumulate": accumulate,
+            "tok_s": round(statistics.median(rates)),
             "graphs": graphs.status if graphs is not None else "-",
             "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
             "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
@@ -147,21 +157,26 @@ def main() -> None:
                                  "delayed-nograph"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figure")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (accumulate_grad_batches)")
     parser.add_argument("--gpus", nargs="+", default=["0"], help="run variants one per GPU")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child process: one variant
     args = parser.parse_args()
     if args.steps < args.warmup + 20:
         parser.error("--steps must be at least --warmup + 20 (two timed windows of 10 steps)")
+    if args.accumulate < 1:
+        parser.error("--accumulate must be at least 1")
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args.model, args.variant, args.steps,
-                                                 args.warmup)), flush=True)
+                                                 args.warmup, args.accumulate)), flush=True)
         return
     results, pending = [], list(args.variants)
     while pending:  # as many at a time as GPUs, each child on its own
         batch, pending = pending[: len(args.gpus)], pending[len(args.gpus):]
         children = [subprocess.Popen(
             [sys.executable, __file__, "--model", args.model, "--variant", v, "--steps",
-             str(args.steps), "--warmup", str(args.warmup)], stdout=subprocess.PIPE,
+             str(args.steps), "--warmup", str(args.warmup), "--accumulate", str(args.accumulate)],
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
             for v, gpu in zip(batch, args.gpus)]
         for v, child in zip(batch, children):

@@ -275,6 +275,40 @@ def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_pa
     assert eager < 5.0 and all(abs(v - eager) < 0.02 * eager for v in losses.values()), losses
 
 
+def test_fuse_mlp_runs_the_examples_mlps_as_te_layernorm_mlp_and_trains_as_without(tmp_path):
+    """fuse_mlp: the example's ln_2 -> c_fc -> GELU(tanh) -> mlp_proj becomes one
+    te.LayerNormMLP per block holding the user's parameters (ln_1 -> c_attn still one
+    te.LayerNormLinear), FP8 verified, FP32 weight gradients into fc1's and fc2's main_grad, the
+    blocks replayed as CUDA graphs; it trains to the loss of the run without it, its checkpoint
+    has the user's keys and resumes with its scaling state."""
+    losses, keys = {}, {}
+    for fused in (False, True):
+        module, _ = build("nanogpt", tmp_path)
+        user_keys = list(module.state_dict())
+        check = GradIsMainGrad()
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", callbacks=[check],
+                              fuse_mlp=fused)
+        losses[fused] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active and plugin.graphs.status == "ready", plugin.reason
+        assert check.seen and all(check.seen)
+        keys[fused] = list(module.state_dict())
+        assert keys[fused] == user_keys
+        if fused:
+            block = module.model.transformer.h[0]
+            assert type(block.c_fc).__name__ == "LayerNormMLP"
+            assert type(block.c_attn).__name__ == "LayerNormLinear"
+            assert block.c_fc.fc2_weight is block.mlp_proj.weight
+            assert len(plugin.engine.modules_ran(plugin.model)) == 4 * 3  # c_attn, c_proj, MLP
+            assert check.fused == 4 * 4  # c_attn, c_proj, fc1, fc2 weights
+            ckpt = tmp_path / "fused.ckpt"
+            trainer.save_checkpoint(ckpt)
+            resumed, _ = build("nanogpt", tmp_path)
+            trainer2, plugin2 = fit(resumed, 32, tmp_path, "delayed", ckpt_path=str(ckpt),
+                                    fuse_mlp=True)
+            assert plugin2.fp8_active and trainer2.global_step == 32
+    assert losses[False] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
 def test_the_example_trains_fp8_under_the_plugin():
     """examples/own_model.py as a user runs it, on an FP8 GPU: FP8 verified after the first
     step, the LM head BF16, the loss falls. One GPU: on several, Lightning's DDP launcher would

@@ -4,6 +4,7 @@ They print their tables (run with ``-s``) and copy their JSON/PNG to ``$OUT`` wh
 """
 
 import gc
+import json
 import math
 import os
 import shutil
@@ -93,11 +94,16 @@ def test_bench_cli_on_gpu(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "fp8_lightning", "bench", "--config", GPT2_FP8, "--variants",
          "te-bf16,fp8-delayed", "--steps", "3", "--warmup", "2", "--n_layer", "2",
-         "--batch_size", "4", "--output_dir", str(tmp_path)],
+         "--batch_size", "4", "--profile", "true", "--output_dir", str(tmp_path)],
         cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp8-delayed" in result.stdout and (tmp_path / "bench.png").is_file()
+    # --profile: each variant's GPU kernel time by category, GEMMs among them
+    assert "GPU kernel ms per step (profiler)" in result.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    for r in report["results"]:
+        assert r.get("profile_ms", {}).get("gemm", 0) > 0, r
 
 
 def test_doctor_probe_predicts_and_compares_with_bench(bench_report, tmp_path, capsys):

@@ -21,6 +21,9 @@ class Engine:
 
     name = ""
     backend = ""  # the model backend whose layers this engine converts
+    # TE: a user's LayerNorm -> Linear -> GELU(tanh) -> Linear as one te.LayerNormMLP
+    # (FP8Precision(fuse_mlp=True), set before convert)
+    fuse_mlp = False
 
     def available(self, recipe: str) -> tuple[bool, str]:
         """Can ``recipe`` run here: (yes/no, the device, or why not)."""

@@ -116,6 +116,13 @@ class FP8PrecisionBase(FabricPrecision):
             ``torch.compile``. Default: on where it can run (measured 1.21x over compiled BF16
             against 1.18x without, nanoGPT 1.3B on an H200), said in the log; ``false`` keeps
             TE's BF16 weight gradients.
+        fuse_mlp: TE engine, a model this package did not build: each block's ``nn.LayerNorm ->
+            nn.Linear -> GELU (tanh) -> nn.Linear`` whose outputs feed only the next call becomes
+            one ``te.LayerNormMLP`` holding the same parameters (its GELU inside TE's cast
+            kernels, as in this package's GPT), the block running a ``torch.fx``-traced copy of
+            its forward with the four calls as one (:mod:`~fp8_lightning.fp8.mlp_fusion`).
+            Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
+            load, a state dict does. Default: off (not yet measured on a GPU).
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -132,7 +139,7 @@ class FP8PrecisionBase(FabricPrecision):
                  on_unavailable: Literal["fallback", "error"] = "fallback",
                  cuda_graphs: Optional[bool] = None,
                  cudnn_attention: Optional[bool] = None,
-                 fuse_wgrad_accumulation: Optional[bool] = None) -> None:
+                 fuse_wgrad_accumulation: Optional[bool] = None, fuse_mlp: bool = False) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -147,6 +154,8 @@ class FP8PrecisionBase(FabricPrecision):
         if fuse_wgrad_accumulation not in (None, True, False):
             problems.append(f"fuse_wgrad_accumulation={fuse_wgrad_accumulation!r}; valid: true, "
                             "false (or unset)")
+        if fuse_mlp not in (True, False):
+            problems.append(f"fuse_mlp={fuse_mlp!r}; valid: true, false")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -178,6 +187,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.cudnn_attention = cudnn_attention
         self._cudnn_first = False  # decided in convert_module (a model this package did not build)
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.fuse_mlp = fuse_mlp
         self.wgrad: Any = None  # FusedWgrad, where fuse_wgrad_accumulation can run
         self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
@@ -329,6 +339,7 @@ class FP8PrecisionBase(FabricPrecision):
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self.bf16_modules = self._plan_bf16(gpt)
         note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
+        self.engine.fuse_mlp = self.fuse_mlp
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self._plan_wgrad(gpt)
@@ -378,7 +389,7 @@ class FP8PrecisionBase(FabricPrecision):
     def _plan_wgrad(self, gpt: nn.Module) -> None:
         """``fuse_wgrad_accumulation``: the swapped TE layers sum their weight gradients in FP32."""
         from ..model import GPT
-        from .wgrad import FusedWgrad, fused_wgrad_blocker
+        from .wgrad import FusedWgrad, fused_wgrad_blocker, gemm_weights
 
         if self.wgrad is not None:
             self.wgrad.remove()
@@ -393,10 +404,11 @@ class FP8PrecisionBase(FabricPrecision):
         if not why:  # the layers the engine swapped in (not TE layers the user built)
             here = set(gpt.modules())
             modules = [m for m in getattr(self.engine, "swapped", []) if m in here
-                       and isinstance(m.weight, nn.Parameter) and m.weight.requires_grad
-                       and m.weight.dtype == torch.float32]
+                       and gemm_weights(m) and all(w.requires_grad and w.dtype == torch.float32
+                                                   for w in gemm_weights(m))]
             group = torch.distributed.is_available() and torch.distributed.is_initialized()
-            why = fused_wgrad_blocker(self.weights, group, [m.weight for m in modules]) or ""
+            why = fused_wgrad_blocker(self.weights, group,
+                                      [w for m in modules for w in gemm_weights(m)]) or ""
         if why:
             rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
             return

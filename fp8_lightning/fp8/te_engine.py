@@ -15,6 +15,7 @@ from torch import nn
 
 from ..te_support import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
+from .mlp_fusion import MLPChain, fuse_block, mlp_chains
 from .norm_fusion import FusedNorm, fusable_pairs, keep_norm_keys
 from .policy import find_blocks, is_conv1d, runs_bf16
 from .recipes import RECIPES
@@ -79,6 +80,24 @@ def te_linear_like(linear: nn.Linear, norm: Optional[nn.LayerNorm] = None) -> nn
     else:  # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
         new.bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
     new.train(linear.training)
+    return new
+
+
+def te_mlp_like(norm: nn.LayerNorm, fc1: nn.Linear, fc2: nn.Linear) -> nn.Module:
+    """A ``te.LayerNormMLP`` (GELU, TE's tanh approximation) holding a user's norm's, fc1's and
+    fc2's own parameters (:mod:`.mlp_fusion`), built on the meta device as
+    :func:`te_linear_like`."""
+    weight = fc1.weight
+    new = te_module().LayerNormMLP(fc1.in_features, fc1.out_features, eps=norm.eps,
+                                   bias=fc1.bias is not None, normalization="LayerNorm",
+                                   activation="gelu", params_dtype=weight.dtype, device="meta")
+    new.layer_norm_weight, new.layer_norm_bias = norm.weight, norm.bias
+    new.fc1_weight, new.fc2_weight = fc1.weight, fc2.weight
+    for name, bias in (("fc1_bias", fc1.bias), ("fc2_bias", fc2.bias)):
+        # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
+        setattr(new, name, bias if bias is not None else
+                torch.empty(0, dtype=weight.dtype, device=weight.device))
+    new.train(fc1.training)
     return new
 
 
@@ -160,11 +179,12 @@ class TEEngine(Engine):
             return None
         return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMMs run FP8, and "
                 "torch.compile breaks its graph at each TE module, so the ops between them run "
-                "eagerly; measured 1.2x the same model's compiled BF16 for a GPT of 1.3B with "
-                "the plugin's defaults (blocks replayed as CUDA graphs, cuDNN attention, FP32 "
-                "weight gradients), but slower for a Hugging Face Llama of 1B, whose FP32 norms, "
-                "RoPE and SiLU then run eagerly: engine='torchao' (compiled) measured 1.14x "
-                "there; see docs/benchmarks.md, 'Your own model under FP8Precision'")
+                "eagerly; measured 1.11x (H100) / 1.21x (H200) the same model's compiled BF16 "
+                "for a GPT of 1.3B with the plugin's defaults (blocks replayed as CUDA graphs, "
+                "cuDNN attention, FP32 weight gradients), but slower for a Hugging Face Llama of "
+                "1B, whose FP32 norms, RoPE and SiLU then run eagerly: engine='torchao' "
+                "(compiled) measured 1.08x (H100) / 1.14x (H200) there; see docs/benchmarks.md, "
+                "'Your own model under FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
@@ -194,7 +214,15 @@ class TEEngine(Engine):
         # it where nothing else reads the norm's output; those kept BF16 stay nn.Linear.
         swap = [name for name, module in self.gemm_modules(model).items()
                 if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
-        norms = self._fusable_norms(model, swap)
+        # found on the user's blocks before anything is swapped (fx traces them)
+        prefix, chains = self._mlp_chains(model, swap)
+        fc1s = {f"{prefix}.{c.block}.{c.fc1}" for c in chains}
+        norms = self._fusable_norms(model, [name for name in swap if name not in fc1s])
+        for fused in self._fuse_mlps(model, prefix, chains):
+            self.swapped.append(fused)
+            fused.register_state_dict_post_hook(drop_extra_state)
+            fused.register_load_state_dict_pre_hook(expect_no_extra_state)
+        swap = [name for name in swap if type(model.get_submodule(name)) is nn.Linear]
         for name in swap:
             module = model.get_submodule(name)
             parent, _, attr = name.rpartition(".")
@@ -230,6 +258,37 @@ class TEEngine(Engine):
             hooks.append(module.register_state_dict_post_hook(strip_extra_state))
             hooks.append(module.register_load_state_dict_pre_hook(drop_foreign_extra_state))
         return hooks
+
+    def _mlp_chains(self, model: nn.Module, swap: list[str]) -> tuple[str, list[MLPChain]]:
+        """``fuse_mlp``: the blocks' chains whose two linears run FP8 (:mod:`.mlp_fusion`),
+        said once in the log."""
+        prefix, n = find_blocks(model)
+        if not self.fuse_mlp or not n or not swap or te_modules(model):
+            return prefix, []
+        chains, why = mlp_chains(model.get_submodule(prefix))
+        chains = [c for c in chains if {f"{prefix}.{c.block}.{c.fc1}",
+                                        f"{prefix}.{c.block}.{c.fc2}"} <= set(swap)]
+        if chains:
+            c = chains[0]
+            rank_zero_only(log.info)("TE: %d MLPs as te.LayerNormMLP (norm, GEMM, GELU, GEMM in "
+                                     "one module), e.g. %s.%d: %s -> %s -> gelu -> %s",
+                                     len(chains), prefix, c.block, c.norm, c.fc1, c.fc2)
+        else:
+            rank_zero_only(log.info)("TE: fuse_mlp: no MLP fused (%s)",
+                                     why or "their linears stay BF16")
+        return prefix, chains
+
+    @staticmethod
+    def _fuse_mlps(model: nn.Module, prefix: str, chains: list[MLPChain]) -> list[nn.Module]:
+        """The chains as te.LayerNormMLP modules, block by block; returns them."""
+        by_block: dict[int, list[MLPChain]] = {}
+        for chain in chains:
+            by_block.setdefault(chain.block, []).append(chain)
+        fused = []
+        for i, block_chains in by_block.items():
+            fused += fuse_block(model.get_submodule(f"{prefix}.{i}"), block_chains,
+                                f"{prefix}.{i}", te_mlp_like)
+        return fused
 
     @staticmethod
     def _fusable_norms(model: nn.Module, swap: list[str]) -> dict[str, str]:

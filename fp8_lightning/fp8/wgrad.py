@@ -17,6 +17,12 @@ import torch
 from torch import nn
 
 
+def gemm_weights(module: nn.Module) -> list[nn.Parameter]:
+    """A swapped TE layer's GEMM weights: ``weight`` (``te.Linear``, ``te.LayerNormLinear``) or
+    ``fc1_weight`` and ``fc2_weight`` (``te.LayerNormMLP``)."""
+    return [p for p in module.parameters(recurse=False) if p.ndim == 2]
+
+
 def fused_wgrad_blocker(weights: str, process_group: bool, params: list[nn.Parameter]
                         ) -> Optional[str]:
     """Why the weight gradients cannot accumulate in ``main_grad`` here (None: they can)."""
@@ -45,7 +51,7 @@ class FusedWgrad:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
-        self.weights = [module.weight for module in modules]
+        self.weights = [weight for module in modules for weight in gemm_weights(module)]
         for module in modules:
             module.fuse_wgrad_accumulation = True
 
@@ -77,6 +83,7 @@ class FusedWgrad:
 
     def remove(self) -> None:
         """TE's own weight gradients again; a ``.grad`` linked so far stays as it is."""
-        for module, weight in zip(self.modules, self.weights):
+        for module in self.modules:
             module.fuse_wgrad_accumulation = False
+        for weight in self.weights:
             weight.__dict__.pop("main_grad", None)

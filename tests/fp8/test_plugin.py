@@ -42,6 +42,8 @@ def test_plugin_argument_errors():
         FP8Precision(bf16_first_layers=-1)
     with pytest.raises(ConfigError, match="cudnn_attention='on'; valid: true, false"):
         FP8Precision(cudnn_attention="on")
+    with pytest.raises(ConfigError, match="fuse_mlp='yes'; valid: true, false"):
+        FP8Precision(fuse_mlp="yes")
     with pytest.raises(TypeError):
         FP8Precision(interval=1)  # the old DelayedScaling keyword is not an argument
 

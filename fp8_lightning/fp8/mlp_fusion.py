@@ -1,0 +1,209 @@
+"""A user's ``LayerNorm -> Linear -> GELU(tanh) -> Linear`` as one TE ``LayerNormMLP`` (TE engine,
+``FP8Precision(fuse_mlp=True)``): the norm writes fc1's FP8 input, and the GELU runs inside the
+kernels that cast fc1's output for fc2 (forward) and fc2's input gradient (backward), instead of
+an eager GELU, its backward and a cast of their own, as in this package's own GPT.
+
+The GELU is a function call in the user's ``forward``, which no module swap can remove, so a
+block whose chain fuses gets a ``forward`` of its own: the block's ``torch.fx`` graph with the
+four calls replaced by one call of the fused module (held where fc1 was). The block's class
+becomes a subclass of the user's with that ``forward`` (``isinstance`` holds; a CUDA graph
+captures it like any block's). Safe only where each call's output feeds the next call alone,
+which only the traced graph tells; a block fx cannot trace keeps its MLP.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm_fusion import FusedNorm, fusable_norm
+
+
+@dataclass(frozen=True)
+class MLPChain:
+    """One fusable chain, each name relative to its block (``<prefix>.<i>`` in the model)."""
+
+    block: int
+    norm: str
+    fc1: str
+    fc2: str
+
+
+def _tanh_gelu(node: torch.fx.Node, block: nn.Module) -> bool:
+    """``F.gelu(x, approximate="tanh")`` or an ``nn.GELU("tanh")`` module: TE's GELU. The exact
+    (erf) GELU would change the model's numbers, so it does not fuse."""
+    if node.op == "call_function" and node.target is F.gelu:
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return approximate == "tanh"
+    if node.op == "call_module":
+        module = block.get_submodule(node.target)
+        return type(module) is nn.GELU and module.approximate == "tanh"
+    return False
+
+
+def _chain_at(norm: torch.fx.Node, block: nn.Module, calls: Counter) -> Optional[tuple]:
+    """The ``(norm, fc1, act, fc2)`` nodes of a chain starting at ``norm``, or None."""
+
+    def only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+        users = list(node.users)
+        if len(users) != 1 or users[0].args[:1] != (node,) or \
+                (users[0].op == "call_module" and (len(users[0].args) != 1 or users[0].kwargs)):
+            return None
+        return users[0]
+
+    def linear(node: Optional[torch.fx.Node]) -> Optional[nn.Linear]:
+        if node is None or node.op != "call_module" or calls[node.target] != 1:
+            return None
+        module = block.get_submodule(node.target)
+        return module if type(module) is nn.Linear else None
+
+    if norm.op != "call_module" or calls[norm.target] != 1 or \
+            not fusable_norm(block.get_submodule(norm.target)):
+        return None
+    fc1_node = only_user(norm)
+    fc1 = linear(fc1_node)
+    if fc1 is None:
+        return None
+    act = only_user(fc1_node)
+    if act is None or not _tanh_gelu(act, block) or \
+            (act.op == "call_module" and calls[act.target] != 1):
+        return None
+    fc2_node = only_user(act)
+    fc2 = linear(fc2_node)
+    norm_dims = block.get_submodule(norm.target).normalized_shape[0]
+    if fc2 is None or fc1.in_features != norm_dims or fc2.in_features != fc1.out_features or \
+            fc2.out_features != fc1.in_features or (fc1.bias is None) != (fc2.bias is None):
+        return None  # LayerNormMLP: hidden -> ffn -> hidden, both biases or neither
+    return norm, fc1_node, act, fc2_node
+
+
+def mlp_chains(blocks: nn.ModuleList) -> tuple[list[MLPChain], str]:
+    """The fusable chains of ``blocks`` and, where there is none, why."""
+    chains = []
+    for i, block in enumerate(blocks):
+        try:
+            graph = torch.fx.symbolic_trace(block).graph
+        except Exception as err:  # data-dependent control flow, kwargs objects, ...: not traced
+            return [], f"block {i} cannot be traced by torch.fx ({type(err).__name__})"
+        calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+        constant = next((n.target for n in graph.nodes if n.op == "get_attr"
+                         and not _resolves(block, n.target)), None)
+        if constant is not None:  # a tensor the trace keeps on its own module, not the block's
+            return [], f"block {i}'s traced forward holds a constant of its own ({constant})"
+        for node in graph.nodes:
+            found = _chain_at(node, block, calls)
+            if found:
+                norm, fc1, _, fc2 = found
+                chains.append(MLPChain(i, norm.target, fc1.target, fc2.target))
+    return chains, "" if chains else "no LayerNorm -> Linear -> GELU(tanh) -> Linear in a block"
+
+
+def _resolves(module: nn.Module, target: str) -> bool:
+    for part in target.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True
+
+
+class FusedLinear(nn.Module):
+    """A user's ``nn.Linear`` whose GEMM a fused module does (fc2 of a ``LayerNormMLP``): holds
+    the layer's parameters under their own names (checkpoints, optimizer); never called, the
+    block's fused ``forward`` calls the fused module instead."""
+
+    def __init__(self, linear: nn.Linear, into: str) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features, self.into = \
+            linear.in_features, linear.out_features, into
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"this layer's GEMM runs inside {self.into} (te.LayerNormMLP): the "
+                           "block's fused forward calls that instead")
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, computed in {self.into}"
+
+
+def fused_forward(block: nn.Module, chains: list[MLPChain]) -> Callable:
+    """The block's ``forward`` with each chain's four calls as one call of the module at its fc1
+    name (traced now, before any module of the block is swapped)."""
+    traced = torch.fx.symbolic_trace(block)
+    graph = traced.graph
+    nodes = {node.target: node for node in graph.nodes if node.op == "call_module"}
+    for chain in chains:
+        norm, fc1, fc2 = nodes[chain.norm], nodes[chain.fc1], nodes[chain.fc2]
+        act = fc2.args[0]
+        with graph.inserting_before(fc2):
+            fused = graph.call_module(chain.fc1, (norm.args[0],))
+        fc2.replace_all_uses_with(fused)
+        for node in (fc2, act, fc1, norm):
+            graph.erase_node(node)
+    graph.lint()
+    # GraphModule compiles the graph's code into a forward that reads submodules as attributes
+    # of ``self``: bound to the user's block, it calls the block's own (swapped) modules
+    return type(torch.fx.GraphModule(traced, graph)).forward
+
+
+def fuse_block(block: nn.Module, chains: list[MLPChain], prefix: str,
+               make: Callable[[nn.LayerNorm, nn.Linear, nn.Linear], nn.Module]) -> list[nn.Module]:
+    """Swap each chain of ``block`` (named ``prefix`` in the model) for ``make(norm, fc1, fc2)``
+    at fc1's name (holding their parameters), the norm and fc2 for holders of theirs, and give
+    the block the fused ``forward``. Returns the fused modules."""
+    forward = fused_forward(block, chains)
+    fused = []
+    for chain in chains:
+        norm, fc1, fc2 = (block.get_submodule(n) for n in (chain.norm, chain.fc1, chain.fc2))
+        module = make(norm, fc1, fc2)
+        keep_mlp_keys(module)
+        for name, new in ((chain.fc1, module), (chain.norm, FusedNorm(norm, f"{prefix}.{chain.fc1}")),
+                          (chain.fc2, FusedLinear(fc2, f"{prefix}.{chain.fc1}"))):
+            parent, _, attr = name.rpartition(".")
+            setattr(block.get_submodule(parent), attr, new)
+        fused.append(module)
+    user_class = type(block)
+    block.__class__ = type(user_class.__name__, (user_class,),
+                           {"forward": forward, "__module__": user_class.__module__,
+                            "__qualname__": user_class.__qualname__,
+                            "_fp8_lightning_user_class": user_class})
+    return fused
+
+
+# A fused module's own keys and the user's: fc1's parameters are the user's fc1 layer's
+# ``weight``/``bias``; the norm's and fc2's are saved under their own layers' names.
+_KEYS = {"fc1_weight": "weight", "fc1_bias": "bias"}
+_ELSEWHERE = ("layer_norm_weight", "layer_norm_bias", "fc2_weight", "fc2_bias")
+
+
+def keep_mlp_keys(fused: nn.Module) -> None:
+    """A fused MLP module's state dict has the user's fc1 layer's keys (``weight``, ``bias``) and
+    loads from them; the norm's and fc2's copies are left to their own layers' keys."""
+    fused.register_state_dict_post_hook(_user_keys)
+    fused.register_load_state_dict_pre_hook(_module_keys)
+
+
+def _user_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    for name in _ELSEWHERE:
+        state_dict.pop(prefix + name, None)
+    for own, user in _KEYS.items():
+        if prefix + own in state_dict:
+            value = state_dict.pop(prefix + own)
+            if value.numel() or own != "fc1_bias":  # TE's empty bias: the user's layer had none
+                state_dict[prefix + user] = value
+
+
+def _module_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    for own, user in _KEYS.items():
+        if prefix + user in state_dict:
+            state_dict[prefix + own] = state_dict.pop(prefix + user)
+    # The norm's and fc2's own keys load these parameters; the fused module copies them onto
+    # themselves (and TE's empty bias where the user's layers have none).
+    for name in (*_ELSEWHERE, *_KEYS):
+        value = getattr(module, name, None)
+        if isinstance(value, torch.Tensor):
+            state_dict.setdefault(prefix + name, value.detach())
