@@ -48,7 +48,8 @@ MODELS = {
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
 # tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; TE's GEMMs sum the
 # weight gradients in FP32 by default (fuse_wgrad_accumulation), -bf16wgrad: TE's BF16 ones;
-# -fusedmlp: LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP (fuse_mlp)
+# -fusedmlp: LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP (fuse_mlp);
+# -compiledblocks: the blocks' graphs captured from their torch.compile'd forward (compile_blocks)
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
             "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
@@ -58,6 +59,9 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "delayed-torch-order": ("delayed", False, {"cudnn_attention": False}),
             "delayed-bf16wgrad": ("delayed", False, {"fuse_wgrad_accumulation": False}),
             "delayed-fusedmlp": ("delayed", False, {"fuse_mlp": True}),
+            "delayed-compiledblocks": ("delayed", False, {"compile_blocks": True}),
+            "delayed-fusedmlp-compiledblocks": ("delayed", False, {"fuse_mlp": True,
+                                                                   "compile_blocks": True}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
 PROFILED = 5  # steps profiled after the timed ones
@@ -140,7 +144,8 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
     graphs = getattr(plugin, "graphs", None)
     return {"model": model, "variant": variant, "accumulate": accumulate,
             "tok_s": round(statistics.median(rates)),
-            "graphs": graphs.status if graphs is not None else "-",
+            "graphs": "-" if graphs is None else
+            graphs.status + (", compiled" if graphs.compiled else ""),
             "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
             "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),

@@ -24,7 +24,7 @@ import gc
 import inspect
 import logging
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -336,6 +336,36 @@ def _same(recorded: Any, value: Any) -> bool:
         all(_same(r, v) for r, v in zip(recorded, value))
 
 
+def _te_layer(module: nn.Module) -> bool:
+    if not te_available():
+        return False
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    return isinstance(module, TransformerEngineBaseModule)
+
+
+@contextmanager
+def dynamo_around(blocks: Sequence[nn.Module],
+                  opaque: Callable[[nn.Module], bool] = _te_layer) -> Iterator[None]:
+    """While ``torch.compile``'d block forwards run (their capture): each ``opaque`` layer (TE's)
+    is a call Dynamo runs eagerly, not one it traces into (TE 2.20's own compiled path needs a
+    newer PyTorch than 2.11, and tracing into its modules fails there), and Dynamo may compile
+    every block (same code, other modules: a recompile each) past its default recompile limit."""
+    layers = [m for block in blocks for m in block.modules() if opaque(m)]
+    for layer in layers:
+        layer.forward = torch.compiler.disable(type(layer).forward.__get__(layer))
+    config = torch._dynamo.config
+    limits = {name: max(getattr(config, name), 2 * len(blocks) + 8)
+              for name in ("recompile_limit", "accumulated_recompile_limit")
+              if hasattr(config, name)}
+    try:
+        with config.patch(**limits):
+            yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
 class _BoundBlock(nn.Module):
     """A block with its recorded call's fixed keyword arguments bound: what is captured. Its
     parameters are the block's (the capture's input surface); it belongs to no model."""
@@ -367,9 +397,15 @@ class ModelBlockGraphs:
 
     WAIT = 3  # training forwards to wait for every block's first call before giving up
 
-    def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], clone_grads: bool = True,
+                 compile: bool = False) -> None:
         self.blocks = list(blocks)
         self.clone_grads = clone_grads
+        # capture each block's forward compiled (torch.compile around its TE layers): the
+        # elementwise work between those layers fuses; a capture that fails compiled is retried
+        # with the block's own forward
+        self.compile = compile
+        self.compiled = False  # the graphs hold compiled forwards
         self.replays = 0
         self.fp8: Optional[bool] = None
         self._hooks: list[Any] = []
@@ -510,13 +546,34 @@ class ModelBlockGraphs:
         for handle in self._hooks:  # TE captures no module with hooks
             handle.remove()
         self._hooks.clear()
+        blocks = [self.blocks[i] for i in order]  # the replays' order, and the pool's
+        samples = [self.calls[i].sample(params[0].device) for i in order]
+
+        def capture_blocks(compiled: bool) -> tuple[tuple[nn.Module, ...], list]:
+            forwards = [type(b).forward.__get__(b) for b in blocks]
+            if compiled:
+                forwards = [torch.compile(f, dynamic=False) for f in forwards]
+            units = tuple(_BoundBlock(b, f, self.calls[i].fixed)
+                          for i, b, f in zip(order, blocks, forwards))
+            with dynamo_around(blocks) if compiled else nullcontext():
+                return units, capture(units, tuple(a for a, _ in samples), True,
+                                      self.clone_grads,
+                                      sample_kwargs=tuple(k for _, k in samples))
+
         try:
-            blocks = [self.blocks[i] for i in order]  # the replays' order, and the pool's
-            units = tuple(_BoundBlock(b, type(b).forward.__get__(b), self.calls[i].fixed)
-                          for i, b in zip(order, blocks))
-            samples = [self.calls[i].sample(params[0].device) for i in order]
-            graphed = capture(units, tuple(a for a, _ in samples), True, self.clone_grads,
-                              sample_kwargs=tuple(k for _, k in samples))
+            self.compiled = False
+            if self.compile:
+                try:
+                    units, graphed = capture_blocks(True)
+                    self.compiled = True
+                except Exception as err:  # noqa: BLE001 - the blocks' own forward instead
+                    message = (str(err).strip().splitlines() or [""])[0][:300]
+                    log.warning("CUDA graphs of the model's blocks: the compiled capture failed "
+                                "(%s: %s); capturing their own forward", type(err).__name__,
+                                message)
+                    gc.collect()
+            if not self.compiled:
+                units, graphed = capture_blocks(False)
         except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
             message = (str(err).strip().splitlines() or [""])[0][:300]
             self.status = f"off: capture failed ({type(err).__name__}: {message})"
@@ -529,8 +586,9 @@ class ModelBlockGraphs:
             block.forward = types.MethodType(_captured_forward, block)
         self.status = "ready"
         kept = len(self.blocks) - len(order)
-        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s)%s",
+        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s%s)%s",
                  len(order), len(self.blocks), "FP8" if fp8 else "BF16",
+                 ", compiled around the TE layers" if self.compiled else "",
                  f"; {kept} ran in another FP8 state (the layer policy) and stay eager"
                  if kept else "")
 

@@ -306,7 +306,27 @@ def test_fuse_mlp_runs_the_examples_mlps_as_te_layernorm_mlp_and_trains_as_witho
             trainer2, plugin2 = fit(resumed, 32, tmp_path, "delayed", ckpt_path=str(ckpt),
                                     fuse_mlp=True)
             assert plugin2.fp8_active and trainer2.global_step == 32
+            assert plugin2.scaling_restored == 4 * 3  # the LayerNormMLPs' two GEMMs' scales too
     assert losses[False] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
+@pytest.mark.parametrize("arch", ["nanogpt", "llama"])
+def test_compile_blocks_captures_compiled_blocks_that_train_as_the_eager_ones(arch, tmp_path,
+                                                                              caplog):
+    """compile_blocks: each block's forward is captured torch.compile'd around its te.Linear
+    layers (the capture did not fall back to the block's own forward), and the run trains to the
+    loss of the run whose graphs hold the blocks' own forward."""
+    losses = {}
+    for compiled in (False, True):
+        module, n_gemms = build(arch, tmp_path, use_cache=False)
+        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+            trainer, plugin = fit(module, 30, tmp_path, "delayed", compile_blocks=compiled)
+        losses[compiled] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) == n_gemms
+        assert plugin.graphs.status == "ready" and plugin.graphs.compiled == compiled, caplog.text
+    assert "compiled capture failed" not in caplog.text
+    eager = losses[False]
+    assert eager < 5.0 and abs(losses[True] - eager) < 0.02 * eager, losses
 
 
 def test_the_example_trains_fp8_under_the_plugin():

@@ -2,6 +2,7 @@
 tests/test_gpu_fast_path.py and tests/test_gpu_engines.py run them)."""
 
 import pytest
+import torch
 
 from fp8_lightning.graphs import graphs_status
 
@@ -261,3 +262,51 @@ def test_fp8_switched_between_recording_and_capture_records_again_then_gives_up(
             assert "FP8 off since the recording; recording their calls again" in caplog.text
     assert graphs.status == "off: no block ran in the FP8 state of the training step"
     assert not block._forward_pre_hooks
+
+
+class Opaque(torch.nn.Linear):
+    """Stands in for a TE layer: Dynamo must call it, not trace into it."""
+
+    traced = 0
+
+    def forward(self, x):
+        Opaque.traced += torch.compiler.is_compiling()
+        return super().forward(x)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(d), Opaque(d, d)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x).square()), approximate="tanh")
+
+
+def test_compiled_block_forwards_leave_te_layers_to_eager_and_compile_every_block():
+    """compile_blocks' Dynamo setting (graphs.dynamo_around): each block's forward compiled
+    around its TE layers (each called, not traced: here a stand-in), every block compiled,
+    more blocks than Dynamo's default recompile limit, the same numbers as eager."""
+    from fp8_lightning.graphs import dynamo_around
+
+    torch._dynamo.reset()
+    blocks = [Block() for _ in range(12)]
+    graphs_run = []
+
+    def backend(gm, example_inputs):  # counts the compiled graphs' calls
+        def run(*args):
+            graphs_run.append(1)
+            return gm(*args)
+        return run
+
+    x = torch.randn(2, 3, 8)
+    Opaque.traced = 0
+    with dynamo_around(blocks, opaque=lambda m: isinstance(m, Opaque)):
+        compiled = [torch.compile(type(b).forward.__get__(b), backend=backend) for b in blocks]
+        outs = [f(x) for f in compiled]
+    assert Opaque.traced == 0
+    assert len(graphs_run) >= 2 * len(blocks)  # the norm's graph and the GELU's, every block
+    for block, out in zip(blocks, outs):
+        torch.testing.assert_close(out, block(x), rtol=0, atol=0)
+    assert not any("forward" in vars(b.fc) for b in blocks)  # the layers' own forward again
+    torch._dynamo.reset()

@@ -4,11 +4,13 @@ kernels that cast fc1's output for fc2 (forward) and fc2's input gradient (backw
 an eager GELU, its backward and a cast of their own, as in this package's own GPT.
 
 The GELU is a function call in the user's ``forward``, which no module swap can remove, so a
-block whose chain fuses gets a ``forward`` of its own: the block's ``torch.fx`` graph with the
-four calls replaced by one call of the fused module (held where fc1 was). The block's class
-becomes a subclass of the user's with that ``forward`` (``isinstance`` holds; a CUDA graph
-captures it like any block's). Safe only where each call's output feeds the next call alone,
-which only the traced graph tells; a block fx cannot trace keeps its MLP.
+block whose chain fuses gets a ``forward`` of its own: the block's ``torch.fx`` graph (traced
+into the submodules holding the chain only; every other submodule stays one call of its own
+forward) with the four calls replaced by one call of the fused module (held where fc1 was). The
+block's class becomes a subclass of the user's with that ``forward`` (``isinstance`` holds; a
+CUDA graph captures it like any block's). Safe only where each call's output feeds the next call
+alone and the trace holds for every call (no branch on ``train()``/``eval()``, no argument with
+a default), which only the traced graph tells; any other block keeps its MLP, said in the log.
 """
 
 from __future__ import annotations
@@ -130,15 +132,59 @@ class FusedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, computed in {self.into}"
 
 
-def fused_forward(block: nn.Module, chains: list[MLPChain]) -> Callable:
+class _ChainTracer(torch.fx.Tracer):
+    """Traces into the block and the submodules holding a chain's layers only: every other
+    submodule stays one call, running its own forward (its train()/eval() behaviour, its
+    hooks, its None checks) rather than a trace of it."""
+
+    def __init__(self, into: set[str]) -> None:
+        super().__init__()
+        self.into = into
+
+    def is_leaf_module(self, module: nn.Module, qualname: str) -> bool:
+        return qualname not in self.into
+
+
+def _trace(block: nn.Module, chains: list[MLPChain], training: bool
+           ) -> tuple[torch.fx.GraphModule, torch.fx.Graph]:
+    members = [name for c in chains for name in (c.norm, c.fc1, c.fc2)]
+    into = {".".join(name.split(".")[:k]) for name in members
+            for k in range(1, name.count(".") + 1)}
+    tracer, was = _ChainTracer(into), block.training
+    block.train(training)
+    try:
+        graph = tracer.trace(block)
+    finally:
+        block.train(was)
+    return torch.fx.GraphModule(tracer.root, graph), graph
+
+
+def fused_forward(block: nn.Module, chains: list[MLPChain]) -> tuple[Optional[Callable], str]:
     """The block's ``forward`` with each chain's four calls as one call of the module at its fc1
-    name (traced now, before any module of the block is swapped)."""
-    traced = torch.fx.symbolic_trace(block)
-    graph = traced.graph
+    name (traced now, before any module of the block is swapped), or None and why not: the
+    trace must hold for every call, so the block's forward may not branch on ``train()`` /
+    ``eval()`` or take arguments with defaults (a trace cannot tell ``None`` from a tensor)."""
+    try:
+        traced, graph = _trace(block, chains, True)
+        evaluating, _ = _trace(block, chains, False)
+    except Exception as err:  # noqa: BLE001 - the block keeps its MLP
+        return None, f"cannot be traced by torch.fx ({type(err).__name__})"
+    if traced.code != evaluating.code:
+        return None, "its forward differs between train() and eval()"
+    if any(node.op == "placeholder" and node.args for node in graph.nodes):
+        return None, "its forward takes an argument with a default (a trace fixes its value)"
+    members = {name for c in chains for name in (c.norm, c.fc1, c.fc2)}
+    read = next((node.target for node in graph.nodes if node.op == "get_attr"
+                 and node.target.rpartition(".")[0] in members), None)
+    if read is not None:
+        return None, f"its forward reads {read} itself"
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
     nodes = {node.target: node for node in graph.nodes if node.op == "call_module"}
     for chain in chains:
-        norm, fc1, fc2 = nodes[chain.norm], nodes[chain.fc1], nodes[chain.fc2]
-        act = fc2.args[0]
+        found = _chain_at(nodes[chain.norm], block, calls) if chain.norm in nodes else None
+        if found is None or (found[1].target, found[3].target) != (chain.fc1, chain.fc2):
+            return None, f"{chain.fc1}'s chain is not one in the block's own trace"
+        norm, fc1, act, fc2 = found
         with graph.inserting_before(fc2):
             fused = graph.call_module(chain.fc1, (norm.args[0],))
         fc2.replace_all_uses_with(fused)
@@ -147,22 +193,26 @@ def fused_forward(block: nn.Module, chains: list[MLPChain]) -> Callable:
     graph.lint()
     # GraphModule compiles the graph's code into a forward that reads submodules as attributes
     # of ``self``: bound to the user's block, it calls the block's own (swapped) modules
-    return type(torch.fx.GraphModule(traced, graph)).forward
+    return type(torch.fx.GraphModule(traced, graph)).forward, ""
 
 
 def fuse_block(block: nn.Module, chains: list[MLPChain], prefix: str,
-               make: Callable[[nn.LayerNorm, nn.Linear, nn.Linear], nn.Module]) -> list[nn.Module]:
+               make: Callable[[nn.LayerNorm, nn.Linear, nn.Linear], nn.Module]
+               ) -> tuple[list[nn.Module], str]:
     """Swap each chain of ``block`` (named ``prefix`` in the model) for ``make(norm, fc1, fc2)``
     at fc1's name (holding their parameters), the norm and fc2 for holders of theirs, and give
-    the block the fused ``forward``. Returns the fused modules."""
-    forward = fused_forward(block, chains)
+    the block the fused ``forward``. Returns the fused modules, or none and why not."""
+    forward, why = fused_forward(block, chains)
+    if forward is None:
+        return [], f"{prefix} {why}"
     fused = []
     for chain in chains:
         norm, fc1, fc2 = (block.get_submodule(n) for n in (chain.norm, chain.fc1, chain.fc2))
         module = make(norm, fc1, fc2)
         keep_mlp_keys(module)
-        for name, new in ((chain.fc1, module), (chain.norm, FusedNorm(norm, f"{prefix}.{chain.fc1}")),
-                          (chain.fc2, FusedLinear(fc2, f"{prefix}.{chain.fc1}"))):
+        into = f"{prefix}.{chain.fc1}"
+        for name, new in ((chain.fc1, module), (chain.norm, FusedNorm(norm, into)),
+                          (chain.fc2, FusedLinear(fc2, into))):
             parent, _, attr = name.rpartition(".")
             setattr(block.get_submodule(parent), attr, new)
         fused.append(module)
@@ -171,7 +221,7 @@ def fuse_block(block: nn.Module, chains: list[MLPChain], prefix: str,
                            {"forward": forward, "__module__": user_class.__module__,
                             "__qualname__": user_class.__qualname__,
                             "_fp8_lightning_user_class": user_class})
-    return fused
+    return fused, ""
 
 
 # A fused module's own keys and the user's: fc1's parameters are the user's fc1 layer's
@@ -192,9 +242,7 @@ def _user_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> Non
         state_dict.pop(prefix + name, None)
     for own, user in _KEYS.items():
         if prefix + own in state_dict:
-            value = state_dict.pop(prefix + own)
-            if value.numel() or own != "fc1_bias":  # TE's empty bias: the user's layer had none
-                state_dict[prefix + user] = value
+            state_dict[prefix + user] = state_dict.pop(prefix + own)
 
 
 def _module_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
@@ -202,8 +250,9 @@ def _module_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> N
         if prefix + user in state_dict:
             state_dict[prefix + own] = state_dict.pop(prefix + user)
     # The norm's and fc2's own keys load these parameters; the fused module copies them onto
-    # themselves (and TE's empty bias where the user's layers have none).
-    for name in (*_ELSEWHERE, *_KEYS):
-        value = getattr(module, name, None)
-        if isinstance(value, torch.Tensor):
-            state_dict.setdefault(prefix + name, value.detach())
+    # themselves. fc1's stay the checkpoint's alone (a missing one is reported missing), and a
+    # bias TE keeps as an empty tensor, not a parameter, has no key.
+    for name in _ELSEWHERE:
+        param = module._parameters.get(name)
+        if param is not None:
+            state_dict.setdefault(prefix + name, param.detach())

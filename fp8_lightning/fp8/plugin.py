@@ -123,6 +123,12 @@ class FP8PrecisionBase(FabricPrecision):
             its forward with the four calls as one (:mod:`~fp8_lightning.fp8.mlp_fusion`).
             Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
             load, a state dict does. Default: off (not yet measured on a GPU).
+        compile_blocks: with ``cuda_graphs``: each block's forward is captured
+            ``torch.compile``'d, the calls of its TE layers left to TE by Dynamo (TE's compiled path
+            needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
+            RoPE, activations, residual adds and dtype conversions a user's model runs eagerly)
+            fuses; a compiled capture that fails falls back to the block's own forward, said in
+            the log. Default: off (not yet measured on a GPU).
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -139,7 +145,8 @@ class FP8PrecisionBase(FabricPrecision):
                  on_unavailable: Literal["fallback", "error"] = "fallback",
                  cuda_graphs: Optional[bool] = None,
                  cudnn_attention: Optional[bool] = None,
-                 fuse_wgrad_accumulation: Optional[bool] = None, fuse_mlp: bool = False) -> None:
+                 fuse_wgrad_accumulation: Optional[bool] = None, fuse_mlp: bool = False,
+                 compile_blocks: bool = False) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -154,8 +161,9 @@ class FP8PrecisionBase(FabricPrecision):
         if fuse_wgrad_accumulation not in (None, True, False):
             problems.append(f"fuse_wgrad_accumulation={fuse_wgrad_accumulation!r}; valid: true, "
                             "false (or unset)")
-        if fuse_mlp not in (True, False):
-            problems.append(f"fuse_mlp={fuse_mlp!r}; valid: true, false")
+        for key, value in (("fuse_mlp", fuse_mlp), ("compile_blocks", compile_blocks)):
+            if value not in (True, False):
+                problems.append(f"{key}={value!r}; valid: true, false")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -187,7 +195,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.cudnn_attention = cudnn_attention
         self._cudnn_first = False  # decided in convert_module (a model this package did not build)
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.fuse_mlp = fuse_mlp
+        self.fuse_mlp, self.compile_blocks = fuse_mlp, compile_blocks
         self.wgrad: Any = None  # FusedWgrad, where fuse_wgrad_accumulation can run
         self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
@@ -340,6 +348,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.bf16_modules = self._plan_bf16(gpt)
         note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
         self.engine.fuse_mlp = self.fuse_mlp
+        self._say_unused_options(gpt)
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
         self._converted = True
         self._plan_wgrad(gpt)
@@ -353,6 +362,18 @@ class FP8PrecisionBase(FabricPrecision):
             _warn(note)
         self._apply_loaded_state()
         return module
+
+    def _say_unused_options(self, gpt: nn.Module) -> None:
+        """``fuse_mlp`` / ``compile_blocks`` asked where they do nothing: said, not ignored."""
+        from ..model import GPT
+
+        asked = [name for name in ("fuse_mlp", "compile_blocks") if getattr(self, name)]
+        if asked and (self.engine.name != "te" or isinstance(gpt, GPT)):
+            rank_zero_only(log.info)(
+                "%s: off (%s)", ", ".join(asked),
+                "this package's GPT fuses its MLPs and graphs its blocks itself"
+                if isinstance(gpt, GPT) else f"engine {self.engine.name}: they act on the TE "
+                "engine's layers; the torchao engine compiles the whole model")
 
     def _plan_attention(self, gpt: nn.Module) -> None:
         """cuDNN's attention first in the forwards of a model this package did not build."""
@@ -389,7 +410,7 @@ class FP8PrecisionBase(FabricPrecision):
     def _plan_wgrad(self, gpt: nn.Module) -> None:
         """``fuse_wgrad_accumulation``: the swapped TE layers sum their weight gradients in FP32."""
         from ..model import GPT
-        from .wgrad import FusedWgrad, fused_wgrad_blocker, gemm_weights
+        from .wgrad import FusedWgrad, fused_wgrad_blocker, weight_params
 
         if self.wgrad is not None:
             self.wgrad.remove()
@@ -404,11 +425,11 @@ class FP8PrecisionBase(FabricPrecision):
         if not why:  # the layers the engine swapped in (not TE layers the user built)
             here = set(gpt.modules())
             modules = [m for m in getattr(self.engine, "swapped", []) if m in here
-                       and gemm_weights(m) and all(w.requires_grad and w.dtype == torch.float32
-                                                   for w in gemm_weights(m))]
+                       and weight_params(m) and all(w.requires_grad and w.dtype == torch.float32
+                                                    for w in weight_params(m))]
             group = torch.distributed.is_available() and torch.distributed.is_initialized()
             why = fused_wgrad_blocker(self.weights, group,
-                                      [w for m in modules for w in gemm_weights(m)]) or ""
+                                      [w for m in modules for w in weight_params(m)]) or ""
         if why:
             rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
             return
@@ -429,6 +450,9 @@ class FP8PrecisionBase(FabricPrecision):
             self.graphs.remove()
             self.graphs = None
         if self.cuda_graphs is False:
+            if self.compile_blocks:
+                rank_zero_only(log.info)("compile_blocks: off (it compiles the blocks' CUDA "
+                                         "graph captures, and cuda_graphs=false)")
             return
         if self.engine.name != "te" or isinstance(gpt, GPT):
             if self.cuda_graphs:
@@ -445,7 +469,7 @@ class FP8PrecisionBase(FabricPrecision):
             if self.cuda_graphs:
                 rank_zero_only(log.info)("CUDA graphs of the model's blocks: off (%s)", why)
             return
-        self.graphs = ModelBlockGraphs(gpt.get_submodule(name))
+        self.graphs = ModelBlockGraphs(gpt.get_submodule(name), compile=self.compile_blocks)
 
     def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
         """``fp8_layers: auto``: the GEMMs the engine finds would not gain from FP8 here."""

@@ -54,7 +54,11 @@ def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], rec
     modules = te_modules(model)
     for name, saved in scaling.items():
         module = modules.get(name)
-        if module is None or saved["amax_history_fwd"].shape[0] != recipe.amax_history_len:
+        # a GEMM module of another kind under the name (a te.Linear saved, a te.LayerNormMLP
+        # now: fuse_mlp changed) has another number of GEMMs, whose scales TE indexes
+        gemms = sum(p.ndim == 2 for p in module.parameters(recurse=False)) if module else 0
+        if module is None or saved["amax_history_fwd"].shape[0] != recipe.amax_history_len or \
+                (gemms and saved["num_gemms"] != gemms):
             skipped.append(name)
             continue
         module.fp8_meta["num_gemms"] = saved["num_gemms"]
@@ -69,8 +73,9 @@ def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], rec
             "scaling_bwd": [saved["scale_bwd"], saved["amax_history_bwd"]]})
         restored += 1
     if skipped:
-        log.warning("FP8 scaling state not restored for %d module(s) (missing or different "
-                    "amax_history_len): %s; they recalibrate", len(skipped), ", ".join(skipped[:5]))
+        log.warning("FP8 scaling state not restored for %d module(s) (missing, another layer "
+                    "type or a different amax_history_len): %s; they recalibrate", len(skipped),
+                    ", ".join(skipped[:5]))
     log.info("FP8 scaling state restored for %d TE modules", restored)
     return restored
 

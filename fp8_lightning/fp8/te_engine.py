@@ -270,8 +270,8 @@ class TEEngine(Engine):
                                         f"{prefix}.{c.block}.{c.fc2}"} <= set(swap)]
         if chains:
             c = chains[0]
-            rank_zero_only(log.info)("TE: %d MLPs as te.LayerNormMLP (norm, GEMM, GELU, GEMM in "
-                                     "one module), e.g. %s.%d: %s -> %s -> gelu -> %s",
+            rank_zero_only(log.info)("TE: %d MLPs found for te.LayerNormMLP (norm, GEMM, GELU, "
+                                     "GEMM in one module), e.g. %s.%d: %s -> %s -> gelu -> %s",
                                      len(chains), prefix, c.block, c.norm, c.fc1, c.fc2)
         else:
             rank_zero_only(log.info)("TE: fuse_mlp: no MLP fused (%s)",
@@ -284,10 +284,16 @@ class TEEngine(Engine):
         by_block: dict[int, list[MLPChain]] = {}
         for chain in chains:
             by_block.setdefault(chain.block, []).append(chain)
-        fused = []
+        fused, refused = [], []
         for i, block_chains in by_block.items():
-            fused += fuse_block(model.get_submodule(f"{prefix}.{i}"), block_chains,
-                                f"{prefix}.{i}", te_mlp_like)
+            modules, why = fuse_block(model.get_submodule(f"{prefix}.{i}"), block_chains,
+                                      f"{prefix}.{i}", te_mlp_like)
+            fused += modules
+            if why:
+                refused.append(why)
+        if refused:
+            rank_zero_only(log.info)("TE: fuse_mlp: %d block(s) keep their MLP: %s",
+                                     len(refused), "; ".join(refused[:3]))
         return fused
 
     @staticmethod

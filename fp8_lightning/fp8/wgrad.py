@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 
-def gemm_weights(module: nn.Module) -> list[nn.Parameter]:
+def weight_params(module: nn.Module) -> list[nn.Parameter]:
     """A swapped TE layer's GEMM weights: ``weight`` (``te.Linear``, ``te.LayerNormLinear``) or
     ``fc1_weight`` and ``fc2_weight`` (``te.LayerNormMLP``)."""
     return [p for p in module.parameters(recurse=False) if p.ndim == 2]
@@ -51,7 +51,7 @@ class FusedWgrad:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
-        self.weights = [weight for module in modules for weight in gemm_weights(module)]
+        self.weights = [weight for module in modules for weight in weight_params(module)]
         for module in modules:
             module.fuse_wgrad_accumulation = True
 

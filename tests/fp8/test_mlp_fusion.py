@@ -36,7 +36,9 @@ def fuse(model):
     prefix, _ = find_blocks(model)
     chains, why = mlp_chains(model.get_submodule(prefix))
     for i, block in enumerate(model.get_submodule(prefix)):
-        fuse_block(block, [c for c in chains if c.block == i], f"{prefix}.{i}", twin_mlp)
+        _, refused = fuse_block(block, [c for c in chains if c.block == i], f"{prefix}.{i}",
+                                twin_mlp)
+        assert refused == ""
     return chains, why
 
 
@@ -57,7 +59,9 @@ def test_the_examples_mlp_fuses_and_its_block_computes_what_the_users_does():
     assert isinstance(block.mlp_proj, FusedLinear)
     assert block.c_fc.fc2_weight is block.mlp_proj.weight  # one parameter, two holders
     idx = torch.randint(0, 64, (2, 16))
-    out, ref = model(idx), user(idx)
+    with torch.no_grad():  # in eval() too
+        torch.testing.assert_close(model.eval()(idx), user.eval()(idx), rtol=0, atol=0)
+    out, ref = model.train()(idx), user.train()(idx)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     out.square().mean().backward()
     ref.square().mean().backward()
@@ -89,11 +93,39 @@ def test_a_fused_models_checkpoint_has_the_users_keys_and_loads_both_ways():
     torch.testing.assert_close(plain(idx), user(idx), rtol=0, atol=0)
 
 
-def test_a_deep_copy_of_a_fused_model_computes_the_same():
+def test_a_deep_copy_of_a_fused_model_computes_the_same_with_its_own_shared_parameters():
     _, model = nanogpt()
     fuse(model)
     idx = torch.randint(0, 64, (2, 16))
-    torch.testing.assert_close(copy.deepcopy(model)(idx), model(idx), rtol=0, atol=0)
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(idx), model(idx), rtol=0, atol=0)
+    block = twin.transformer.h[0]
+    assert block.c_fc.fc2_weight is block.mlp_proj.weight
+    assert block.c_fc.layer_norm_weight is block.ln_2.weight
+    assert block.c_fc.fc1_weight is not model.transformer.h[0].c_fc.fc1_weight
+
+
+class NoBias(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False), \
+            nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+
+
+def test_strict_loading_of_a_fused_block_reports_a_missing_key_and_takes_no_bias():
+    blocks = nn.ModuleList([NoBias()])
+    user = copy.deepcopy(blocks)
+    chains, _ = mlp_chains(blocks)
+    fused, why = fuse_block(blocks[0], chains, "h.0", twin_mlp)
+    assert why == "" and len(fused) == 1
+    assert blocks.state_dict().keys() == user.state_dict().keys()
+    blocks.load_state_dict(user.state_dict(), strict=True)
+    partial = {k: v for k, v in user.state_dict().items() if k != "0.fc1.weight"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*0\.fc1\.fc1_weight"):
+        blocks.load_state_dict(partial, strict=True)
 
 
 class Variants(nn.Module):
@@ -120,7 +152,7 @@ def test_only_chains_that_compute_the_same_in_te_fuse():
     chains, _ = mlp_chains(blocks)
     assert chains == [MLPChain(0, "ln_b", "b1", "b2"), MLPChain(0, "ln_d", "d1", "d2")]
     user = copy.deepcopy(blocks[0])
-    fuse_block(blocks[0], chains, "h.0", twin_mlp)
+    assert fuse_block(blocks[0], chains, "h.0", twin_mlp)[1] == ""
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(blocks[0](x), user(x), rtol=0, atol=0)
 
@@ -134,6 +166,65 @@ class Branching(nn.Module):
         if x.sum() > 0:  # data-dependent: torch.fx cannot trace it
             x = x * 2
         return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+
+
+class Attention(nn.Module):
+    """A submodule the fused forward keeps as one call: its train()/eval() branch and its None
+    check run as the user wrote them."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0,
+                                              is_causal=mask is None)
+
+
+class Nested(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.attn, self.ln = Attention(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU("tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.attn(x) + self.mlp(self.ln(x))
+
+
+class TrainOnly(Nested):
+    def forward(self, x):
+        x = F.dropout(x, 0.1, training=self.training)  # the block's own code branches on it
+        return x + self.mlp(self.ln(x))
+
+
+class WithDefault(Nested):
+    def forward(self, x, scale=None):
+        return x + self.mlp(self.ln(x)) * (1.0 if scale is None else scale)
+
+
+def test_a_fused_block_keeps_its_other_submodules_as_they_run():
+    blocks = nn.ModuleList([Nested()])
+    chains, _ = mlp_chains(blocks)
+    assert chains == [MLPChain(0, "ln", "mlp.0", "mlp.2")]
+    user = copy.deepcopy(blocks[0])
+    assert fuse_block(blocks[0], chains, "h.0", twin_mlp)[1] == ""
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():  # eval(): no attention dropout, as the user's attention has it
+        torch.testing.assert_close(blocks[0].eval()(x), user.eval()(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block, why", [
+    (TrainOnly(), "differs between train() and eval()"),
+    (WithDefault(), "takes an argument with a default"),
+])
+def test_a_block_whose_trace_would_not_hold_for_every_call_keeps_its_mlp(block, why):
+    blocks = nn.ModuleList([block])
+    chains, _ = mlp_chains(blocks)
+    assert chains  # the chain is there; its block's trace cannot stand for the block
+    fused, refused = fuse_block(blocks[0], chains, "h.0", twin_mlp)
+    assert fused == [] and why in refused
+    assert type(blocks[0]) is type(block) and isinstance(blocks[0].mlp[0], nn.Linear)
 
 
 def test_a_block_fx_cannot_trace_keeps_its_mlp_and_says_why():

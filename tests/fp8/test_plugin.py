@@ -181,3 +181,12 @@ def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys, small_voca
     assert exit.value.code == 2
     assert "error: FP8 is not available: " in err and "on_unavailable=error, stopping." in err
     assert "Traceback" not in err
+
+
+def test_te_only_options_asked_for_a_torchao_run_are_said_to_be_off(caplog):
+    from torch import nn
+
+    plugin = FP8Precision(recipe="tensorwise", fuse_mlp=True, compile_blocks=True)
+    with caplog.at_level("INFO", logger="fp8_lightning.fp8.plugin"):
+        plugin._say_unused_options(nn.Linear(4, 4))
+    assert "fuse_mlp, compile_blocks: off (engine torchao" in caplog.text
