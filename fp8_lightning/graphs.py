@@ -68,11 +68,43 @@ def _te_clones_grads_on_request() -> bool:
         inspect.signature(te_module().make_graphed_callables).parameters
 
 
+@functools.lru_cache(maxsize=None)
+def _te_primes_after_warmup() -> bool:
+    """TE's make_graphed_callables takes post_warmup_hook (2.20 does)."""
+    return "post_warmup_hook" in inspect.signature(te_module().make_graphed_callables).parameters
+
+
+def prime_compiled(units: Sequence[nn.Module], samples: Sequence[tuple],
+                   sample_kwargs: Optional[Sequence[dict]]) -> None:
+    """Between TE's warm-up and its capture: each ``torch.compile``'d unit once more forward in
+    order, then backward in reverse, as the capture calls them. TE's warm-up puts a forward hook
+    on every module of a unit, which Dynamo guards on, so without this the capture would
+    recompile every block (and no compile may run while a graph is captured); after it, Dynamo
+    may not compile again until the capture ends (``fail_on_recompile``: a guard that still
+    differs fails at once, named)."""
+    kwargs = sample_kwargs or [{}] * len(units)
+    outs = [unit(*args, **kw) for unit, args, kw in zip(units, samples, kwargs)]
+    for unit, out, args in reversed(list(zip(units, outs, samples))):
+        leaves = torch.utils._pytree.tree_leaves
+        wants = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [a for a in leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        inputs += [p for p in unit.parameters() if p.requires_grad]
+        if wants:  # gradients returned, not accumulated: .grad stays as the warm-up left it
+            torch.autograd.grad(wants, inputs, [torch.empty_like(t) for t in wants],
+                                allow_unused=True)
+    torch.compiler.set_stance("fail_on_recompile")
+
+
 def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
-            clone_grads: bool = True, sample_kwargs: Optional[tuple[dict, ...]] = None) -> list:
+            clone_grads: bool = True, sample_kwargs: Optional[tuple[dict, ...]] = None,
+            compiled: bool = False) -> list:
     """Capture ``units`` (called in this order in the forward, the reverse in the backward) with
     one sample call each: TE's ``make_graphed_callables`` (FP8 per the autocast state now) or,
-    without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own."""
+    without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own.
+    ``compiled``: the units' forwards are ``torch.compile``'d (TE only; :func:`prime_compiled`)."""
+    if compiled and not (te and _te_primes_after_warmup()):
+        raise RuntimeError("a compiled capture needs TE's make_graphed_callables with "
+                           "post_warmup_hook (TransformerEngine 2.20)")
     fp8, recipe, group = fp8_state() if te else (False, None, None)
     unit_call = type(units[0]).__call__
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -98,6 +130,9 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
     gc_was_on, stream = gc.isenabled(), torch.cuda.current_stream()
     te_kwargs = (dict(clone_param_grads_on_return=clone_grads)
                  if te and _te_clones_grads_on_request() else {})
+    if compiled:
+        te_kwargs["post_warmup_hook"] = functools.partial(prime_compiled, units, samples,
+                                                          sample_kwargs)
     try:
         # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
         # re-casting a weight used twice in one forward, which a replay never does.
@@ -127,6 +162,8 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
             unit.__dict__.pop("forward", None)
         raise
     finally:
+        if compiled:
+            torch.compiler.set_stance("default")
         for param, summed in saved_main:
             param.main_grad.copy_(summed)
         # A capture that raises leaves the class's __call__ wrapped in TE's autocast.
@@ -337,11 +374,15 @@ def _same(recorded: Any, value: Any) -> bool:
 
 
 def _te_layer(module: nn.Module) -> bool:
+    """A TE module (te.Linear and the like) or a TE operation (te.LayerNorm, te.RMSNorm and
+    te.ops' modules are operations in TE 2.20)."""
     if not te_available():
         return False
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from transformer_engine.pytorch.ops import Sequential
+    from transformer_engine.pytorch.ops.op import BasicOperation
 
-    return isinstance(module, TransformerEngineBaseModule)
+    return isinstance(module, (TransformerEngineBaseModule, BasicOperation, Sequential))
 
 
 @contextmanager
@@ -355,8 +396,11 @@ def dynamo_around(blocks: Sequence[nn.Module],
     for layer in layers:
         layer.forward = torch.compiler.disable(type(layer).forward.__get__(layer))
     config = torch._dynamo.config
-    limits = {name: max(getattr(config, name), 2 * len(blocks) + 8)
-              for name in ("recompile_limit", "accumulated_recompile_limit")
+    # per code object: a compile per block, warm-up and capture (prime_compiled); in all:
+    # every block's frames, split at each TE layer, twice
+    wanted = {"recompile_limit": 2 * len(blocks) + 8,
+              "accumulated_recompile_limit": 64 * len(blocks)}
+    limits = {name: max(getattr(config, name), value) for name, value in wanted.items()
               if hasattr(config, name)}
     try:
         with config.patch(**limits):
@@ -558,7 +602,8 @@ class ModelBlockGraphs:
             with dynamo_around(blocks) if compiled else nullcontext():
                 return units, capture(units, tuple(a for a, _ in samples), True,
                                       self.clone_grads,
-                                      sample_kwargs=tuple(k for _, k in samples))
+                                      sample_kwargs=tuple(k for _, k in samples),
+                                      compiled=compiled)
 
         try:
             self.compiled = False

@@ -310,3 +310,43 @@ def test_compiled_block_forwards_leave_te_layers_to_eager_and_compile_every_bloc
         torch.testing.assert_close(out, block(x), rtol=0, atol=0)
     assert not any("forward" in vars(b.fc) for b in blocks)  # the layers' own forward again
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("primed", [True, False])
+def test_compiled_blocks_are_primed_for_the_capture_after_te_s_warm_up(primed):
+    """TE's warm-up calls each unit with a forward hook on every module, which Dynamo guards on;
+    the capture calls it without. prime_compiled (TE's post_warmup_hook) compiles for the
+    capture's calls, forward and backward, so the "capture" (here: the same calls, any compile
+    an error) compiles nothing; unprimed, it would recompile mid-capture."""
+    from fp8_lightning.graphs import _BoundBlock, dynamo_around, prime_compiled
+
+    torch._dynamo.reset()
+    blocks = [Block() for _ in range(3)]
+    units = [_BoundBlock(b, torch.compile(type(b).forward.__get__(b), backend="aot_eager"), {})
+             for b in blocks]
+    samples = [(torch.randn(2, 3, 8, requires_grad=True),) for _ in blocks]
+
+    def forward_backward():
+        outs = [unit(*args) for unit, args in zip(units, samples)]
+        for out in reversed(outs):
+            out.sum().backward()
+
+    with dynamo_around(blocks, opaque=lambda m: isinstance(m, Opaque)):
+        for _ in range(2):  # TE's warm-up: a forward hook on every module of a unit
+            hooks = [m.register_forward_hook(lambda *_: None) for u in units for m in u.modules()]
+            forward_backward()
+            for hook in hooks:
+                hook.remove()
+        try:
+            if primed:
+                prime_compiled(units, samples, None)
+            else:
+                torch.compiler.set_stance("fail_on_recompile")
+            if primed:
+                forward_backward()
+            else:
+                with pytest.raises(RuntimeError, match="recompile"):
+                    forward_backward()
+        finally:
+            torch.compiler.set_stance("default")
+    torch._dynamo.reset()
