@@ -48,6 +48,15 @@ def export_fp8_scaling(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _gemms(module: Any) -> Any:
+    """How many GEMMs' scales a TE module keeps (None: not checked, e.g. attention)."""
+    from transformer_engine.pytorch import LayerNormLinear, LayerNormMLP, Linear
+
+    if isinstance(module, LayerNormMLP):
+        return 2
+    return 1 if isinstance(module, (Linear, LayerNormLinear)) else None
+
+
 def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], recipe: Any) -> int:
     """Copy exported delayed-scaling tensors back into TE modules; returns modules restored."""
     restored, skipped = 0, []
@@ -56,9 +65,9 @@ def import_fp8_scaling(model: nn.Module, scaling: dict[str, dict[str, Any]], rec
         module = modules.get(name)
         # a GEMM module of another kind under the name (a te.Linear saved, a te.LayerNormMLP
         # now: fuse_mlp changed) has another number of GEMMs, whose scales TE indexes
-        gemms = sum(p.ndim == 2 for p in module.parameters(recurse=False)) if module else 0
+        gemms = _gemms(module)
         if module is None or saved["amax_history_fwd"].shape[0] != recipe.amax_history_len or \
-                (gemms and saved["num_gemms"] != gemms):
+                (gemms is not None and saved["num_gemms"] != gemms):
             skipped.append(name)
             continue
         module.fp8_meta["num_gemms"] = saved["num_gemms"]
