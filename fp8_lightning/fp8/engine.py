@@ -21,9 +21,6 @@ class Engine:
 
     name = ""
     backend = ""  # the model backend whose layers this engine converts
-    # TE: a user's LayerNorm -> Linear -> GELU(tanh) -> Linear as one te.LayerNormMLP
-    # (FP8Precision(fuse_mlp=True), set before convert)
-    fuse_mlp = False
 
     def available(self, recipe: str) -> tuple[bool, str]:
         """Can ``recipe`` run here: (yes/no, the device, or why not)."""
@@ -44,8 +41,9 @@ class Engine:
         return None
 
     def convert(self, model: nn.Module, config: dict[str, Any],
-                bf16_modules: dict[str, str]) -> list[Any]:
-        """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove."""
+                bf16_modules: dict[str, str], fuse_mlp: bool = False) -> list[Any]:
+        """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove.
+        ``fuse_mlp``: TE, a user's LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP."""
         raise NotImplementedError
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],

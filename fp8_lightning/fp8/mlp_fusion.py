@@ -93,24 +93,12 @@ def mlp_chains(blocks: nn.ModuleList) -> tuple[list[MLPChain], str]:
         except Exception as err:  # data-dependent control flow, kwargs objects, ...: not traced
             return [], f"block {i} cannot be traced by torch.fx ({type(err).__name__})"
         calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
-        constant = next((n.target for n in graph.nodes if n.op == "get_attr"
-                         and not _resolves(block, n.target)), None)
-        if constant is not None:  # a tensor the trace keeps on its own module, not the block's
-            return [], f"block {i}'s traced forward holds a constant of its own ({constant})"
         for node in graph.nodes:
             found = _chain_at(node, block, calls)
             if found:
                 norm, fc1, _, fc2 = found
                 chains.append(MLPChain(i, norm.target, fc1.target, fc2.target))
     return chains, "" if chains else "no LayerNorm -> Linear -> GELU(tanh) -> Linear in a block"
-
-
-def _resolves(module: nn.Module, target: str) -> bool:
-    for part in target.split("."):
-        if not hasattr(module, part):
-            return False
-        module = getattr(module, part)
-    return True
 
 
 class FusedLinear(nn.Module):

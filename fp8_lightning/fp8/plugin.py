@@ -347,9 +347,9 @@ class FP8PrecisionBase(FabricPrecision):
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self.bf16_modules = self._plan_bf16(gpt)
         note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
-        self.engine.fuse_mlp = self.fuse_mlp
         self._say_unused_options(gpt)
-        self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules)
+        self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules,
+                                          fuse_mlp=self.fuse_mlp)
         self._converted = True
         self._plan_wgrad(gpt)
         self._plan_graphs(gpt)
@@ -374,6 +374,9 @@ class FP8PrecisionBase(FabricPrecision):
                 "this package's GPT fuses its MLPs and graphs its blocks itself"
                 if isinstance(gpt, GPT) else f"engine {self.engine.name}: they act on the TE "
                 "engine's layers; the torchao engine compiles the whole model")
+        elif self.compile_blocks and self.cuda_graphs is False:
+            rank_zero_only(log.info)("compile_blocks: off (it compiles the blocks' CUDA graph "
+                                     "captures, and cuda_graphs=false)")
 
     def _plan_attention(self, gpt: nn.Module) -> None:
         """cuDNN's attention first in the forwards of a model this package did not build."""
@@ -450,9 +453,6 @@ class FP8PrecisionBase(FabricPrecision):
             self.graphs.remove()
             self.graphs = None
         if self.cuda_graphs is False:
-            if self.compile_blocks:
-                rank_zero_only(log.info)("compile_blocks: off (it compiles the blocks' CUDA "
-                                         "graph captures, and cuda_graphs=false)")
             return
         if self.engine.name != "te" or isinstance(gpt, GPT):
             if self.cuda_graphs:

@@ -75,12 +75,17 @@ def te_linear_like(linear: nn.Linear, norm: Optional[nn.LayerNorm] = None) -> nn
                                  normalization="LayerNorm", **kwargs)
         new.layer_norm_weight, new.layer_norm_bias = norm.weight, norm.bias
     new.weight = weight
-    if linear.bias is not None:
-        new.bias = linear.bias
-    else:  # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
-        new.bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    _hold_bias(new, "bias", linear.bias, weight)
     new.train(linear.training)
     return new
+
+
+def _hold_bias(new: nn.Module, name: str, bias: Optional[nn.Parameter], weight: nn.Parameter
+               ) -> None:
+    """A TE module built on meta takes the user's bias, or, where there is none, the empty
+    tensor TE keeps instead (on the weight's device, not meta)."""
+    setattr(new, name, bias if bias is not None else
+            torch.empty(0, dtype=weight.dtype, device=weight.device))
 
 
 def te_mlp_like(norm: nn.LayerNorm, fc1: nn.Linear, fc2: nn.Linear) -> nn.Module:
@@ -93,10 +98,8 @@ def te_mlp_like(norm: nn.LayerNorm, fc1: nn.Linear, fc2: nn.Linear) -> nn.Module
                                    activation="gelu", params_dtype=weight.dtype, device="meta")
     new.layer_norm_weight, new.layer_norm_bias = norm.weight, norm.bias
     new.fc1_weight, new.fc2_weight = fc1.weight, fc2.weight
-    for name, bias in (("fc1_bias", fc1.bias), ("fc2_bias", fc2.bias)):
-        # TE keeps an empty tensor where there is no bias; on the weight's device, not meta
-        setattr(new, name, bias if bias is not None else
-                torch.empty(0, dtype=weight.dtype, device=weight.device))
+    _hold_bias(new, "fc1_bias", fc1.bias, weight)
+    _hold_bias(new, "fc2_bias", fc2.bias, weight)
     new.train(fc1.training)
     return new
 
@@ -205,7 +208,7 @@ class TEEngine(Engine):
         return slower_in_fp8(gemm_modules, keep, time_shape), how
 
     def convert(self, model: nn.Module, config: dict[str, Any],
-                bf16_modules: dict[str, str]) -> list[Any]:
+                bf16_modules: dict[str, str], fuse_mlp: bool = False) -> list[Any]:
         te = te_module()
         self.recipe = make_te_recipe(config)
         hooks = []
@@ -215,7 +218,7 @@ class TEEngine(Engine):
         swap = [name for name, module in self.gemm_modules(model).items()
                 if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
         # found on the user's blocks before anything is swapped (fx traces them)
-        prefix, chains = self._mlp_chains(model, swap)
+        prefix, chains = self._mlp_chains(model, swap) if fuse_mlp else ("", [])
         fc1s = {f"{prefix}.{c.block}.{c.fc1}" for c in chains}
         norms = self._fusable_norms(model, [name for name in swap if name not in fc1s])
         for fused in self._fuse_mlps(model, prefix, chains):
@@ -263,7 +266,7 @@ class TEEngine(Engine):
         """``fuse_mlp``: the blocks' chains whose two linears run FP8 (:mod:`.mlp_fusion`),
         said once in the log."""
         prefix, n = find_blocks(model)
-        if not self.fuse_mlp or not n or not swap or te_modules(model):
+        if not n or not swap or te_modules(model):
             return prefix, []
         chains, why = mlp_chains(model.get_submodule(prefix))
         chains = [c for c in chains if {f"{prefix}.{c.block}.{c.fc1}",

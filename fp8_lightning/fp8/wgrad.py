@@ -16,11 +16,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .policy import gemm_weights
+
 
 def weight_params(module: nn.Module) -> list[nn.Parameter]:
     """A swapped TE layer's GEMM weights: ``weight`` (``te.Linear``, ``te.LayerNormLinear``) or
     ``fc1_weight`` and ``fc2_weight`` (``te.LayerNormMLP``)."""
-    return [p for p in module.parameters(recurse=False) if p.ndim == 2]
+    return [getattr(module, name) for name in gemm_weights(module)]
 
 
 def fused_wgrad_blocker(weights: str, process_group: bool, params: list[nn.Parameter]
