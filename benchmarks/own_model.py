@@ -12,8 +12,8 @@ as a run with a larger global batch takes them; steps and windows count optimize
 
 Prints one JSON line per variant (tok/s: the median of 10-step windows after the warm-up, the
 precision that ran, peak memory), then a table with each variant over the faster BF16 and, from
-``StepProfile`` over 5 steps after the timed ones, each step's GPU compute and GPU idle (host-bound)
-milliseconds: what to optimise.
+``StepProfile`` over the optimizer steps of 5 micro-batches after the timed ones, each step's
+GPU compute and GPU idle (host-bound) milliseconds: what to optimise.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ MODELS = {
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
 # tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; TE's GEMMs sum the
 # weight gradients in FP32 by default (fuse_wgrad_accumulation), -bf16wgrad: TE's BF16 ones;
-# -fusedmlp: LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP (fuse_mlp);
-# -compiledblocks: the blocks' graphs captured from their torch.compile'd forward (compile_blocks)
+# TE fuses LayerNorm -> Linear -> GELU -> Linear into one te.LayerNormMLP by default, -unfusedmlp:
+# not (fuse_mlp); TE's block graphs are captured from their torch.compile'd forward by default,
+# -eagerblocks: from their own forward (compile_blocks)
 VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "tensorwise": ("tensorwise", True, {}),
             "tensorwise-head": ("tensorwise", True, {"fp8_lm_head": True}),
@@ -58,13 +59,13 @@ VARIANTS = {"bf16": (None, True, {}), "bf16-eager": (None, False, {}),
             "delayed-nograph": ("delayed", False, {"cuda_graphs": False}),
             "delayed-torch-order": ("delayed", False, {"cudnn_attention": False}),
             "delayed-bf16wgrad": ("delayed", False, {"fuse_wgrad_accumulation": False}),
-            "delayed-fusedmlp": ("delayed", False, {"fuse_mlp": True}),
-            "delayed-compiledblocks": ("delayed", False, {"compile_blocks": True}),
-            "delayed-fusedmlp-compiledblocks": ("delayed", False, {"fuse_mlp": True,
-                                                                   "compile_blocks": True}),
+            "delayed-unfusedmlp": ("delayed", False, {"fuse_mlp": False}),
+            "delayed-eagerblocks": ("delayed", False, {"compile_blocks": False}),
+            "delayed-unfusedmlp-eagerblocks": ("delayed", False, {"fuse_mlp": False,
+                                                                  "compile_blocks": False}),
             "current": ("current", False, {}), "delayed-compiled": ("delayed", True, {})}
 SEQ = 1024
-PROFILED = 5  # steps profiled after the timed ones
+PROFILED = 5  # micro-batches profiled after the timed steps (whole optimizer steps, at least one)
 
 
 def lit_module(name: str, compile: bool):
@@ -128,11 +129,12 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
     L.seed_everything(0)
     module = lit_module(model, compile)
     vocab = dims["vocab_size"]
-    data = torch.randint(0, vocab, ((steps + PROFILED + 1) * accumulate * batch, SEQ + 1))
+    profiled = -(-PROFILED // accumulate)  # the profiler's trace grows with each micro-batch
+    data = torch.randint(0, vocab, ((steps + profiled + 1) * accumulate * batch, SEQ + 1))
     plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
     # profiled after the timed steps: the profiler's own cost stays out of tok/s
-    profile = StepProfile(start_step=steps, steps=PROFILED, top=80)
-    trainer = L.Trainer(max_steps=steps + PROFILED + 1, accelerator="gpu", devices=1,
+    profile = StepProfile(start_step=steps, steps=profiled, top=80)
+    trainer = L.Trainer(max_steps=steps + profiled + 1, accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
                         accumulate_grad_batches=accumulate,

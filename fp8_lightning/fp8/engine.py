@@ -41,9 +41,10 @@ class Engine:
         return None
 
     def convert(self, model: nn.Module, config: dict[str, Any],
-                bf16_modules: dict[str, str], fuse_mlp: bool = False) -> list[Any]:
+                bf16_modules: dict[str, str], fuse_mlp: Optional[bool] = False) -> list[Any]:
         """Make the model's GEMMs FP8 except ``bf16_modules``; returns hook handles to remove.
-        ``fuse_mlp``: TE, a user's LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP."""
+        ``fuse_mlp``: TE, a user's LayerNorm -> Linear -> GELU -> Linear as one te.LayerNormMLP
+        (``None``: where found, saying nothing where none is)."""
         raise NotImplementedError
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],

@@ -122,13 +122,19 @@ class FP8PrecisionBase(FabricPrecision):
             kernels, as in this package's GPT), the block running a ``torch.fx``-traced copy of
             its forward with the four calls as one (:mod:`~fp8_lightning.fp8.mlp_fusion`).
             Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
-            load, a state dict does. Default: off (not yet measured on a GPU).
+            load, a state dict does. Default: on where a block has such a chain and the run has
+            one rank (nanoGPT 1.3B with 8 micro-batches a step on an H100: 1.25x over compiled
+            BF16 against 1.23x without), said in the log; not yet measured on several ranks,
+            where ``true`` turns it on; ``false`` keeps the four modules.
         compile_blocks: with ``cuda_graphs``: each block's forward is captured
             ``torch.compile``'d, the calls of its TE layers left to TE by Dynamo (TE's compiled path
             needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
             RoPE, activations, residual adds and dtype conversions a user's model runs eagerly)
             fuses; a compiled capture that fails falls back to the block's own forward, said in
-            the log. Default: off (not yet measured on a GPU).
+            the log. Default: on where the blocks are graphed and the run has one rank (a Hugging
+            Face Llama 1B with 8 micro-batches a step on an H100: TE 1.15x over compiled BF16,
+            where its eager blocks were slower than BF16); not yet measured on several ranks,
+            where ``true`` turns it on.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -145,8 +151,9 @@ class FP8PrecisionBase(FabricPrecision):
                  on_unavailable: Literal["fallback", "error"] = "fallback",
                  cuda_graphs: Optional[bool] = None,
                  cudnn_attention: Optional[bool] = None,
-                 fuse_wgrad_accumulation: Optional[bool] = None, fuse_mlp: bool = False,
-                 compile_blocks: bool = False) -> None:
+                 fuse_wgrad_accumulation: Optional[bool] = None,
+                 fuse_mlp: Optional[bool] = None,
+                 compile_blocks: Optional[bool] = None) -> None:
         problems = []
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
@@ -158,12 +165,10 @@ class FP8PrecisionBase(FabricPrecision):
             problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
         if cudnn_attention not in (None, True, False):
             problems.append(f"cudnn_attention={cudnn_attention!r}; valid: true, false (or unset)")
-        if fuse_wgrad_accumulation not in (None, True, False):
-            problems.append(f"fuse_wgrad_accumulation={fuse_wgrad_accumulation!r}; valid: true, "
-                            "false (or unset)")
-        for key, value in (("fuse_mlp", fuse_mlp), ("compile_blocks", compile_blocks)):
-            if value not in (True, False):
-                problems.append(f"{key}={value!r}; valid: true, false")
+        for key, value in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+                           ("fuse_mlp", fuse_mlp), ("compile_blocks", compile_blocks)):
+            if value not in (None, True, False):
+                problems.append(f"{key}={value!r}; valid: true, false (or unset)")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
@@ -348,8 +353,11 @@ class FP8PrecisionBase(FabricPrecision):
         self.bf16_modules = self._plan_bf16(gpt)
         note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
         self._say_unused_options(gpt)
+        fuse_mlp = self.fuse_mlp
+        if fuse_mlp is None and _data_parallel_group() is not None:
+            fuse_mlp = False  # measured on one GPU; on several ranks only where asked for
         self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules,
-                                          fuse_mlp=self.fuse_mlp)
+                                          fuse_mlp=fuse_mlp)
         self._converted = True
         self._plan_wgrad(gpt)
         self._plan_graphs(gpt)
@@ -367,14 +375,14 @@ class FP8PrecisionBase(FabricPrecision):
         """``fuse_mlp`` / ``compile_blocks`` asked where they do nothing: said, not ignored."""
         from ..model import GPT
 
-        asked = [name for name in ("fuse_mlp", "compile_blocks") if getattr(self, name)]
+        asked = [name for name in ("fuse_mlp", "compile_blocks") if getattr(self, name) is True]
         if asked and (self.engine.name != "te" or isinstance(gpt, GPT)):
             rank_zero_only(log.info)(
                 "%s: off (%s)", ", ".join(asked),
                 "this package's GPT fuses its MLPs and graphs its blocks itself"
                 if isinstance(gpt, GPT) else f"engine {self.engine.name}: they act on the TE "
                 "engine's layers; the torchao engine compiles the whole model")
-        elif self.compile_blocks and self.cuda_graphs is False:
+        elif self.compile_blocks is True and self.cuda_graphs is False:
             rank_zero_only(log.info)("compile_blocks: off (it compiles the blocks' CUDA graph "
                                      "captures, and cuda_graphs=false)")
 
@@ -469,7 +477,10 @@ class FP8PrecisionBase(FabricPrecision):
             if self.cuda_graphs:
                 rank_zero_only(log.info)("CUDA graphs of the model's blocks: off (%s)", why)
             return
-        self.graphs = ModelBlockGraphs(gpt.get_submodule(name), compile=self.compile_blocks)
+        compile = self.compile_blocks
+        if compile is None:  # measured on one GPU; on several ranks only where asked for
+            compile = _data_parallel_group() is None
+        self.graphs = ModelBlockGraphs(gpt.get_submodule(name), compile=compile)
 
     def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
         """``fp8_layers: auto``: the GEMMs the engine finds would not gain from FP8 here."""

@@ -180,14 +180,16 @@ class TEEngine(Engine):
         if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
                    for name, m in self.gemm_modules(model).items()):
             return None
-        return ("TE runs this model's nn.Linear layers as te.Linear: only the GEMMs run FP8, and "
-                "torch.compile breaks its graph at each TE module, so the ops between them run "
-                "eagerly; measured 1.11x (H100) / 1.21x (H200) the same model's compiled BF16 "
-                "for a GPT of 1.3B with the plugin's defaults (blocks replayed as CUDA graphs, "
-                "cuDNN attention, FP32 weight gradients), but slower for a Hugging Face Llama of "
-                "1B, whose FP32 norms, RoPE and SiLU then run eagerly: engine='torchao' "
-                "(compiled) measured 1.08x (H100) / 1.14x (H200) there; see docs/benchmarks.md, "
-                "'Your own model under FP8Precision'")
+        return ("TE runs this model's nn.Linear layers as TE modules (te.Linear; with a LayerNorm "
+                "before one, or a LayerNorm -> Linear -> GELU -> Linear MLP, as one module): only "
+                "the GEMMs and the fused ops run FP8. With the plugin's defaults on one GPU "
+                "(blocks replayed as CUDA graphs of their torch.compile'd forward, cuDNN "
+                "attention, FP32 weight gradients) measured about 1.25x the same model's compiled "
+                "BF16 for a GPT of 1.3B and 1.15x for a Hugging Face Llama of 1B, both with 8 "
+                "micro-batches an optimizer step on an H100; less with one (the optimizer's "
+                "share grows), and where the blocks are not graphed their ops run eagerly "
+                "between the TE modules (engine='torchao' compiles the whole model: 1.12x on "
+                "that Llama); see docs/benchmarks.md, 'Your own model under FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
@@ -208,7 +210,7 @@ class TEEngine(Engine):
         return slower_in_fp8(gemm_modules, keep, time_shape), how
 
     def convert(self, model: nn.Module, config: dict[str, Any],
-                bf16_modules: dict[str, str], fuse_mlp: bool = False) -> list[Any]:
+                bf16_modules: dict[str, str], fuse_mlp: Optional[bool] = False) -> list[Any]:
         te = te_module()
         self.recipe = make_te_recipe(config)
         hooks = []
@@ -218,7 +220,8 @@ class TEEngine(Engine):
         swap = [name for name, module in self.gemm_modules(model).items()
                 if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
         # found on the user's blocks before anything is swapped (fx traces them)
-        prefix, chains = self._mlp_chains(model, swap) if fuse_mlp else ("", [])
+        prefix, chains = (self._mlp_chains(model, swap, quiet=fuse_mlp is None)
+                          if fuse_mlp is not False else ("", []))
         fc1s = {f"{prefix}.{c.block}.{c.fc1}" for c in chains}
         norms = self._fusable_norms(model, [name for name in swap if name not in fc1s])
         for fused in self._fuse_mlps(model, prefix, chains):
@@ -262,9 +265,10 @@ class TEEngine(Engine):
             hooks.append(module.register_load_state_dict_pre_hook(drop_foreign_extra_state))
         return hooks
 
-    def _mlp_chains(self, model: nn.Module, swap: list[str]) -> tuple[str, list[MLPChain]]:
+    def _mlp_chains(self, model: nn.Module, swap: list[str], quiet: bool = False
+                    ) -> tuple[str, list[MLPChain]]:
         """``fuse_mlp``: the blocks' chains whose two linears run FP8 (:mod:`.mlp_fusion`),
-        said once in the log."""
+        said once in the log (none found: said only where asked for, not ``quiet``)."""
         prefix, n = find_blocks(model)
         if not n or not swap or te_modules(model):
             return prefix, []
@@ -276,7 +280,7 @@ class TEEngine(Engine):
             rank_zero_only(log.info)("TE: %d MLPs found for te.LayerNormMLP (norm, GEMM, GELU, "
                                      "GEMM in one module), e.g. %s.%d: %s -> %s -> gelu -> %s",
                                      len(chains), prefix, c.block, c.norm, c.fc1, c.fc2)
-        else:
+        elif not quiet:
             rank_zero_only(log.info)("TE: fuse_mlp: no MLP fused (%s)",
                                      why or "their linears stay BF16")
         return prefix, chains

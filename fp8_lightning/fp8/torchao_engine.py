@@ -258,7 +258,7 @@ class TorchaoEngine(Engine):
         return pairs, f"{len(pairs)} GEMM weights gather as float8 (torchao, tensorwise)"
 
     def convert(self, model: nn.Module, config: dict[str, Any],
-                bf16_modules: dict[str, str], fuse_mlp: bool = False) -> list[Any]:
+                bf16_modules: dict[str, str], fuse_mlp: Optional[bool] = False) -> list[Any]:
         self.converted = {name: m for name, m in self.gemm_modules(model).items()
                           if not runs_bf16(name, bf16_modules)}
         for module in self.converted.values():

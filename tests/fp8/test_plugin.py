@@ -190,3 +190,15 @@ def test_te_only_options_asked_for_a_torchao_run_are_said_to_be_off(caplog):
     with caplog.at_level("INFO", logger="fp8_lightning.fp8.plugin"):
         plugin._say_unused_options(nn.Linear(4, 4))
     assert "fuse_mlp, compile_blocks: off (engine torchao" in caplog.text
+
+
+def test_te_only_options_left_at_their_defaults_say_nothing_on_a_torchao_run(caplog):
+    """fuse_mlp / compile_blocks default on where they act (the TE engine's layers on one
+    rank); unset, a run where they cannot act logs nothing of them."""
+    from torch import nn
+
+    plugin = FP8Precision(recipe="tensorwise")
+    assert plugin.fuse_mlp is None and plugin.compile_blocks is None
+    with caplog.at_level("INFO", logger="fp8_lightning.fp8.plugin"):
+        plugin._say_unused_options(nn.Linear(4, 4))
+    assert "fuse_mlp" not in caplog.text and "compile_blocks" not in caplog.text
