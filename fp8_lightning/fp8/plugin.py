@@ -131,10 +131,12 @@ class FP8PrecisionBase(FabricPrecision):
             needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
             RoPE, activations, residual adds and dtype conversions a user's model runs eagerly)
             fuses; a compiled capture that fails falls back to the block's own forward, said in
-            the log. Default: on where the blocks are graphed and the run has one rank (a Hugging
-            Face Llama 1B with 8 micro-batches a step on an H100: TE 1.15x over compiled BF16,
-            where its eager blocks were slower than BF16); not yet measured on several ranks,
-            where ``true`` turns it on.
+            the log (with TransformerEngine 2.18/2.19, which lack the capture's
+            ``post_warmup_hook``, always: a warning each run). Default: on where the blocks are
+            graphed and the run has one rank (a Hugging Face Llama 1B with 8 micro-batches a step
+            on an H100: TE 1.13x-1.15x over compiled BF16; its eager blocks had been slower than
+            BF16 on an H200); not yet measured on several ranks, where ``true`` turns it on;
+            ``false``: the blocks' own forward.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
