@@ -69,7 +69,7 @@ def _te_clones_grads_on_request() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _te_primes_after_warmup() -> bool:
+def te_primes_after_warmup() -> bool:
     """TE's make_graphed_callables takes post_warmup_hook (2.20 does)."""
     return "post_warmup_hook" in inspect.signature(te_module().make_graphed_callables).parameters
 
@@ -102,7 +102,7 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
     one sample call each: TE's ``make_graphed_callables`` (FP8 per the autocast state now) or,
     without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own.
     ``compiled``: the units' forwards are ``torch.compile``'d (TE only; :func:`prime_compiled`)."""
-    if compiled and not (te and _te_primes_after_warmup()):
+    if compiled and not (te and te_primes_after_warmup()):
         raise RuntimeError("a compiled capture needs TE's make_graphed_callables with "
                            "post_warmup_hook (TransformerEngine 2.20)")
     fp8, recipe, group = fp8_state() if te else (False, None, None)

@@ -131,12 +131,11 @@ class FP8PrecisionBase(FabricPrecision):
             needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
             RoPE, activations, residual adds and dtype conversions a user's model runs eagerly)
             fuses; a compiled capture that fails falls back to the block's own forward, said in
-            the log (with TransformerEngine 2.18/2.19, which lack the capture's
-            ``post_warmup_hook``, always: a warning each run). Default: on where the blocks are
-            graphed and the run has one rank (a Hugging Face Llama 1B with 8 micro-batches a step
-            on an H100: TE 1.13x-1.15x over compiled BF16; its eager blocks had been slower than
-            BF16 on an H200); not yet measured on several ranks, where ``true`` turns it on;
-            ``false``: the blocks' own forward.
+            the log. Default: on where the blocks are graphed, the run has one rank and TE is
+            2.20 or newer (older ones lack the capture's ``post_warmup_hook``) (a Hugging Face
+            Llama 1B with 8 micro-batches a step on an H100: TE 1.13x-1.15x over compiled BF16;
+            its eager blocks had been slower than BF16 on an H200); not yet measured on several
+            ranks, where ``true`` turns it on; ``false``: the blocks' own forward.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -437,12 +436,13 @@ class FP8PrecisionBase(FabricPrecision):
         modules = []
         if not why:  # the layers the engine swapped in (not TE layers the user built)
             here = set(gpt.modules())
-            modules = [m for m in getattr(self.engine, "swapped", []) if m in here
-                       and weight_params(m) and all(w.requires_grad and w.dtype == torch.float32
-                                                    for w in weight_params(m))]
+            weights = {m: weight_params(m) for m in getattr(self.engine, "swapped", [])
+                       if m in here}
+            modules = [m for m, ws in weights.items() if ws and all(
+                w.requires_grad and w.dtype == torch.float32 for w in ws)]
             group = torch.distributed.is_available() and torch.distributed.is_initialized()
             why = fused_wgrad_blocker(self.weights, group,
-                                      [w for m in modules for w in weight_params(m)]) or ""
+                                      [w for m in modules for w in weights[m]]) or ""
         if why:
             rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
             return
@@ -453,7 +453,7 @@ class FP8PrecisionBase(FabricPrecision):
     def _plan_graphs(self, gpt: nn.Module) -> None:
         """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
         does not graph them itself."""
-        from ..graphs import ModelBlockGraphs
+        from ..graphs import ModelBlockGraphs, te_primes_after_warmup
         from ..model import GPT
 
         if self.graphs is not None:  # set up again: the same model's live graphs stay (they
@@ -480,8 +480,9 @@ class FP8PrecisionBase(FabricPrecision):
                 rank_zero_only(log.info)("CUDA graphs of the model's blocks: off (%s)", why)
             return
         compile = self.compile_blocks
-        if compile is None:  # measured on one GPU; on several ranks only where asked for
-            compile = _data_parallel_group() is None
+        if compile is None:  # measured on one GPU (on several ranks only where asked for), and
+            # a compiled capture needs TE 2.20's post_warmup_hook
+            compile = _data_parallel_group() is None and te_primes_after_warmup()
         self.graphs = ModelBlockGraphs(gpt.get_submodule(name), compile=compile)
 
     def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
