@@ -69,6 +69,30 @@ def _te_clones_grads_on_request() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _te_caching_kwarg() -> Optional[str]:
+    """make_graphed_callables' switch for FP8 weight caching (``cache_quantized_params`` in TE
+    2.20, ``fp8_weight_caching`` before), or None."""
+    params = inspect.signature(te_module().make_graphed_callables).parameters
+    return next((n for n in ("cache_quantized_params", "fp8_weight_caching") if n in params), None)
+
+
+def _te_quantization_state() -> Any:
+    """Where TE keeps the flag that tells captured modules to skip their weight casts."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    return getattr(FP8GlobalStateManager, "quantization_state", FP8GlobalStateManager)
+
+
+def can_cache_weights(recipe: Any) -> bool:
+    """Can captured blocks keep their FP8 weights across micro-batches (TE's FP8 weight caching)?
+    Delayed scaling only: its weight cast honours TE's skip flag entirely; what the current and
+    block recipes' own amax passes do with it is not checked here."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    return isinstance(recipe, DelayedScaling) and _te_caching_kwarg() is not None
+
+
+@functools.lru_cache(maxsize=None)
 def te_primes_after_warmup() -> bool:
     """TE's make_graphed_callables takes post_warmup_hook (2.20 does)."""
     return "post_warmup_hook" in inspect.signature(te_module().make_graphed_callables).parameters
@@ -97,11 +121,14 @@ def prime_compiled(units: Sequence[nn.Module], samples: Sequence[tuple],
 
 def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
             clone_grads: bool = True, sample_kwargs: Optional[tuple[dict, ...]] = None,
-            compiled: bool = False) -> list:
+            compiled: bool = False, cache_weights: bool = False) -> list:
     """Capture ``units`` (called in this order in the forward, the reverse in the backward) with
     one sample call each: TE's ``make_graphed_callables`` (FP8 per the autocast state now) or,
     without TE, PyTorch's. Returns each unit's graphed ``forward``; the units keep their own.
-    ``compiled``: the units' forwards are ``torch.compile``'d (TE only; :func:`prime_compiled`)."""
+    ``compiled``: the units' forwards are ``torch.compile``'d (TE only; :func:`prime_compiled`).
+    ``cache_weights`` (TE, :func:`can_cache_weights`): the graphs cast each FP8 weight only when
+    a replay passes ``is_first_microbatch=True`` and reuse the cast otherwise, as TE's flag
+    (``_te_quantization_state().skip_fp8_weight_update_tensor``) says at replay time."""
     if compiled and not (te and te_primes_after_warmup()):
         raise RuntimeError("a compiled capture needs TE's make_graphed_callables with "
                            "post_warmup_hook (TransformerEngine 2.20)")
@@ -133,6 +160,11 @@ def capture(units: tuple[nn.Module, ...], samples: tuple[tuple, ...], te: bool,
     if compiled:
         te_kwargs["post_warmup_hook"] = functools.partial(prime_compiled, units, samples,
                                                           sample_kwargs)
+    if cache_weights:
+        te_kwargs[_te_caching_kwarg()] = True
+    elif te:  # an earlier capture's flag would make this one's TE modules capture cached weight
+        # casts (their forward reads the flag while capturing); its graphs hold their own
+        _te_quantization_state().skip_fp8_weight_update_tensor = None
     try:
         # Capture refuses autocast's weight-cast cache (TE's check); the cache only saves
         # re-casting a weight used twice in one forward, which a replay never does.
@@ -451,6 +483,15 @@ class ModelBlockGraphs:
         self.compile = compile
         self.compiled = False  # the graphs hold compiled forwards
         self.replays = 0
+        # FP8 weight caching (delayed scaling, TE's): a replay casts a block's weights only when
+        # they changed since its last cast (an optimizer step, a load), so the micro-batches of
+        # an accumulated step after the first reuse the cast. The flag tensor the graphs read
+        # is held here (a later capture without caching clears TE's global reference).
+        self.cache_weights = False
+        self.recasts = 0  # replays that cast their block's weights
+        self._steps = 0  # optimizer steps the plugin reported (weights_changed)
+        self._skip_flag: Optional[torch.Tensor] = None
+        self._skip_now: Optional[bool] = None
         self.fp8: Optional[bool] = None
         self._hooks: list[Any] = []
         self._units: tuple[nn.Module, ...] = ()
@@ -509,6 +550,7 @@ class ModelBlockGraphs:
         for block in self.blocks:
             if block.__dict__.pop(_SLOT, None) is not None:
                 block.__dict__.pop("forward", None)
+        self._skip_flag = None
         if self._units:
             release(self._units)
             self._units = ()
@@ -593,6 +635,8 @@ class ModelBlockGraphs:
         blocks = [self.blocks[i] for i in order]  # the replays' order, and the pool's
         samples = [self.calls[i].sample(params[0].device) for i in order]
 
+        cache = fp8 and can_cache_weights(fp8_state()[1])
+
         def capture_blocks(compiled: bool) -> tuple[tuple[nn.Module, ...], list]:
             forwards = [type(b).forward.__get__(b) for b in blocks]
             if compiled:
@@ -603,7 +647,7 @@ class ModelBlockGraphs:
                 return units, capture(units, tuple(a for a, _ in samples), True,
                                       self.clone_grads,
                                       sample_kwargs=tuple(k for _, k in samples),
-                                      compiled=compiled)
+                                      compiled=compiled, cache_weights=cache)
 
         try:
             self.compiled = False
@@ -626,16 +670,35 @@ class ModelBlockGraphs:
                         "without them", type(err).__name__, message)
             return
         self.fp8, self._units, self._fingerprint = fp8, units, self._now()
+        self.cache_weights, self._skip_now = cache, None
+        self._skip_flag = _te_quantization_state().skip_fp8_weight_update_tensor if cache else None
         for i, block, replay in zip(order, blocks, graphed):
             block.__dict__[_SLOT] = _Replay(self, i, self.calls[i], replay, block)
             block.forward = types.MethodType(_captured_forward, block)
         self.status = "ready"
         kept = len(self.blocks) - len(order)
-        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s%s)%s",
+        log.info("CUDA graphs: %d of the model's %d blocks captured, a graph each (%s%s%s)%s",
                  len(order), len(self.blocks), "FP8" if fp8 else "BF16",
                  ", compiled around the TE layers" if self.compiled else "",
+                 ", FP8 weights cast once per optimizer step" if cache else "",
                  f"; {kept} ran in another FP8 state (the layer policy) and stay eager"
                  if kept else "")
+
+    def weights_changed(self) -> None:
+        """After an optimizer step: every block's cached FP8 weights are stale. Said by the
+        plugin, since a fused optimizer (``AdamW(fused=True)``) writes the weights without
+        moving their version counters."""
+        self._steps += 1
+
+    def weights_cast(self, cast: bool) -> None:
+        """Before a replay (weight caching): tell the graphs to cast their weights or reuse the
+        last cast. TE's graphed callable sets the same flag only for the first FP8 module of an
+        autocast region, which need not be a captured block."""
+        skip = not cast
+        if self._skip_now is not skip:  # stream-ordered: the replays before still read the old
+            self._skip_flag.fill_(skip)
+            self._skip_now = skip
+        self.recasts += cast
 
     def tell_eager(self, i: int) -> None:
         """Once a run: a captured block's training call that differs from the recorded one."""
@@ -665,6 +728,10 @@ class _Replay:
         # ran); a replay runs no Python, so the capture's flags are put back when replays resume.
         self.flags = {m: m.fp8 for m in block.modules() if hasattr(m, "fp8")}
         self.replaying = True
+        # weight caching: the optimizer steps and the parameters' version counters (any
+        # in-place change through the parameter, e.g. a load, moves them) at the last cast
+        self.params = list(block.parameters())
+        self.cast_at: Optional[tuple] = None
         # a replay's outputs are the graph's static buffers until its backward has run (or the
         # optimizer step): another call before then (two forwards, one backward) runs eagerly
         self.in_flight = False
@@ -690,7 +757,13 @@ class _Replay:
                 module.fp8 = flag
             self.replaying = True
         self.owner.replays += 1
-        out = self.graphed(*args, **{k: kwargs[k] for k in self.call.tensor_kwargs})
+        tensors = {k: kwargs[k] for k in self.call.tensor_kwargs}
+        if self.owner.cache_weights:
+            now = (self.owner._steps, *(p._version for p in self.params))
+            cast, self.cast_at = now != self.cast_at, now
+            self.owner.weights_cast(cast)
+            tensors["is_first_microbatch"] = cast  # TE's graphed callable asks for it
+        out = self.graphed(*args, **tensors)
         # in flight until the backward, or without one (nothing asks for a gradient) until the
         # step ends: the next call would overwrite these outputs
         self.in_flight = True

@@ -184,6 +184,49 @@ def test_a_replay_waits_for_its_backward_or_the_step_end_and_other_calls_run_eag
     assert owner.replays == 2
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_cached_fp8_weights_are_cast_at_a_steps_first_replay_and_reused_until_they_change(fused):
+    """FP8 weight caching (TE's, delayed scaling): a replay asks the graph to cast the block's
+    weights, TE's skip flag at 0, only when they changed since its last cast: after an optimizer
+    step (which the plugin reports: a fused AdamW writes the weights without moving their
+    version counters) or any other in-place change (a load); the step's other micro-batches
+    reuse the cast, the flag at 1."""
+    from fp8_lightning.graphs import _SLOT
+
+    torch.manual_seed(0)
+    block = TinyBlock()
+    x = torch.randn(2, 16, 32)
+    owner = captured(block, x)
+    asked = []
+
+    def graph(*args, is_first_microbatch):  # stands in for TE's graphed callable (a GPU's)
+        asked.append((is_first_microbatch, float(owner._skip_flag)))
+        return "replayed"
+
+    block.__dict__[_SLOT].graphed = graph
+    owner.cache_weights, owner._skip_flag = True, torch.full((1,), -1.0)
+    optimizer = torch.optim.AdamW(block.parameters(), fused=fused)
+
+    def micro_batch():
+        with owner.training_forward():
+            assert block(x) == "replayed"
+        owner.step_end()
+
+    def optimizer_step():
+        for p in block.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        owner.weights_changed()  # what FP8Precision.optimizer_step says after the step
+
+    micro_batch(), micro_batch()
+    optimizer_step()
+    micro_batch(), micro_batch()
+    block.load_state_dict(TinyBlock().state_dict())  # outside a step: seen by its versions
+    micro_batch(), micro_batch()
+    assert asked == [(True, 0.0), (False, 1.0)] * 3
+    assert owner.recasts == 3
+
+
 def test_a_captured_block_is_freed_with_its_model():
     """No registry outlives the model: a captured block, its replay and their owner go when the
     user drops them."""

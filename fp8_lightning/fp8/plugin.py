@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Generator, Literal, Optional
+from typing import Any, Callable, Generator, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -95,8 +95,12 @@ class FP8PrecisionBase(FabricPrecision):
             second training step from the first one's calls (:class:`~fp8_lightning.graphs.
             ModelBlockGraphs`; a swapped ``te.Linear`` costs more host time than GPU time).
             Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
-            options); a block it cannot replay runs eagerly, said why. This package's GPT
-            graphs its blocks itself (``model.cuda_graphs``).
+            options); a block it cannot replay runs eagerly, said why. With ``delayed`` the
+            graphs cast a block's FP8 weights only after an optimizer step or an in-place write
+            through a parameter (its version counter: a load), so the micro-batches of an
+            accumulated step after the first reuse the cast (TE's FP8 weight caching; nanoGPT
+            1.3B, 8 micro-batches a step, H100: 1.25x -> 1.29x over compiled BF16). This
+            package's GPT graphs its blocks itself (``model.cuda_graphs``).
         cudnn_attention: a model this package did not build: the plugin's forwards and
             backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
             (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
@@ -124,8 +128,9 @@ class FP8PrecisionBase(FabricPrecision):
             Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
             load, a state dict does. Default: on where a block has such a chain and the run has
             one rank (nanoGPT 1.3B with 8 micro-batches a step on an H100: 1.25x over compiled
-            BF16 against 1.23x without), said in the log; not yet measured on several ranks,
-            where ``true`` turns it on; ``false`` keeps the four modules.
+            BF16 against 1.23x without, both before FP8 weight caching), said in the log; not
+            yet measured on several ranks, where ``true`` turns it on; ``false`` keeps the four
+            modules.
         compile_blocks: with ``cuda_graphs``: each block's forward is captured
             ``torch.compile``'d, the calls of its TE layers left to TE by Dynamo (TE's compiled path
             needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
@@ -133,9 +138,10 @@ class FP8PrecisionBase(FabricPrecision):
             fuses; a compiled capture that fails falls back to the block's own forward, said in
             the log. Default: on where the blocks are graphed, the run has one rank and TE is
             2.20 or newer (older ones lack the capture's ``post_warmup_hook``) (a Hugging Face
-            Llama 1B with 8 micro-batches a step on an H100: TE 1.13x-1.15x over compiled BF16;
-            its eager blocks had been slower than BF16 on an H200); not yet measured on several
-            ranks, where ``true`` turns it on; ``false``: the blocks' own forward.
+            Llama 1B with 8 micro-batches a step on an H100: TE 1.13x-1.15x over compiled BF16
+            before FP8 weight caching; its eager blocks had been slower than BF16 on an H200);
+            not yet measured on several ranks, where ``true`` turns it on; ``false``: the
+            blocks' own forward.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
@@ -667,6 +673,14 @@ class FP8Precision(FP8PrecisionBase, Precision):
     @override
     def predict_step_context(self) -> Any:
         return self._context(fp8=self.fp8_eval)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
+                       **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, model, closure, **kwargs)
+        if self.graphs is not None:  # the blocks' cached FP8 weights are stale now
+            self.graphs.weights_changed()
+        return out
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:

@@ -184,10 +184,11 @@ class TEEngine(Engine):
                 "before one, or a LayerNorm -> Linear -> GELU -> Linear MLP, as one module): only "
                 "the GEMMs and the fused ops run FP8. With the plugin's defaults on one GPU "
                 "(blocks replayed as CUDA graphs of their torch.compile'd forward, cuDNN "
-                "attention, FP32 weight gradients) measured about 1.25x the same model's compiled "
-                "BF16 for a GPT of 1.3B and 1.15x for a Hugging Face Llama of 1B, both with 8 "
-                "micro-batches an optimizer step on an H100; less with one (the optimizer's "
-                "share grows), and where the blocks are not graphed their ops run eagerly "
+                "attention, FP32 weight gradients, FP8 weights cast once per optimizer step) "
+                "measured about 1.29x the same model's compiled BF16 for a GPT of 1.3B and 1.15x "
+                "for a Hugging Face Llama of 1B, both with 8 micro-batches an optimizer step on "
+                "an H100; less with one (the optimizer's share grows, the weights are cast every "
+                "micro-batch), and where the blocks are not graphed their ops run eagerly "
                 "between the TE modules (engine='torchao' compiles the whole model: 1.12x on "
                 "that Llama); see docs/benchmarks.md, 'Your own model under FP8Precision'")
 
