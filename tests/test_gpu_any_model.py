@@ -293,6 +293,27 @@ def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_pa
     assert eager < 5.0 and all(abs(v - eager) < 0.02 * eager for v in losses.values()), losses
 
 
+def test_cached_fp8_weights_follow_a_fused_optimizer_across_accumulated_micro_batches(tmp_path):
+    """A fused AdamW writes the weights without moving their version counters: the plugin's
+    optimizer step still has the graphs cast each block's FP8 weights again at the next step's
+    first micro-batch (with stale casts the blocks would not learn), and the run trains to the
+    loss of the same run without graphs."""
+    losses = {}
+    for graphs in (False, True):
+        module, _ = build("nanogpt", tmp_path)
+        module.configure_optimizers = lambda m=module: torch.optim.AdamW(
+            m.parameters(), lr=m.hparams.lr, fused=True)
+        trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs,
+                              accumulate_grad_batches=2)
+        losses[graphs] = float(trainer.callback_metrics["train/loss"])
+        assert plugin.fp8_active, plugin.reason
+    assert plugin.graphs.status == "ready" and plugin.graphs.cache_weights
+    replays, casts, n = plugin.graphs.replays, plugin.graphs.recasts, len(plugin.graphs.blocks)
+    assert abs(2 * casts - replays) <= 2 * n, (replays, casts)
+    eager = losses[False]
+    assert eager < 5.0 and abs(losses[True] - eager) < 0.02 * eager, losses
+
+
 def test_fuse_mlp_runs_the_examples_mlps_as_te_layernorm_mlp_and_trains_as_without(tmp_path):
     """fuse_mlp: the example's ln_2 -> c_fc -> GELU(tanh) -> mlp_proj becomes one
     te.LayerNormMLP per block holding the user's parameters (ln_1 -> c_attn still one
