@@ -68,7 +68,6 @@ class FabricFP8Precision(FP8PrecisionBase):
         out = super().optimizer_step(optimizer, **kwargs)
         if self.graphs is not None:  # Fabric's forwards do not say when a step starts
             self.graphs.step_end()
-            self.graphs.weights_changed()
         return out
 
     @override

@@ -24,11 +24,13 @@ import gc
 import inspect
 import logging
 import types
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .te_support import te_available, te_module
 
@@ -484,14 +486,15 @@ class ModelBlockGraphs:
         self.compiled = False  # the graphs hold compiled forwards
         self.replays = 0
         # FP8 weight caching (delayed scaling, TE's): a replay casts a block's weights only when
-        # they changed since its last cast (an optimizer step, a load), so the micro-batches of
-        # an accumulated step after the first reuse the cast. The flag tensor the graphs read
-        # is held here (a later capture without caching clears TE's global reference).
+        # they may have changed since its last cast (an optimizer step, a load), so the
+        # micro-batches of an accumulated step after the first reuse the cast. The flag tensor
+        # the graphs read is held here (a later capture without caching clears TE's global
+        # reference).
         self.cache_weights = False
         self.recasts = 0  # replays that cast their block's weights
-        self._steps = 0  # optimizer steps the plugin reported (weights_changed)
+        self._steps = 0  # torch.optim optimizer steps taken since caching began
         self._skip_flag: Optional[torch.Tensor] = None
-        self._skip_now: Optional[bool] = None
+        self._step_hook: Any = None
         self.fp8: Optional[bool] = None
         self._hooks: list[Any] = []
         self._units: tuple[nn.Module, ...] = ()
@@ -550,7 +553,7 @@ class ModelBlockGraphs:
         for block in self.blocks:
             if block.__dict__.pop(_SLOT, None) is not None:
                 block.__dict__.pop("forward", None)
-        self._skip_flag = None
+        self.cache_weights_off()
         if self._units:
             release(self._units)
             self._units = ()
@@ -670,8 +673,9 @@ class ModelBlockGraphs:
                         "without them", type(err).__name__, message)
             return
         self.fp8, self._units, self._fingerprint = fp8, units, self._now()
-        self.cache_weights, self._skip_now = cache, None
-        self._skip_flag = _te_quantization_state().skip_fp8_weight_update_tensor if cache else None
+        self.cache_weights = False
+        if cache:
+            self.cache_weights_on(_te_quantization_state().skip_fp8_weight_update_tensor)
         for i, block, replay in zip(order, blocks, graphed):
             block.__dict__[_SLOT] = _Replay(self, i, self.calls[i], replay, block)
             block.forward = types.MethodType(_captured_forward, block)
@@ -684,20 +688,38 @@ class ModelBlockGraphs:
                  f"; {kept} ran in another FP8 state (the layer policy) and stay eager"
                  if kept else "")
 
-    def weights_changed(self) -> None:
-        """After an optimizer step: every block's cached FP8 weights are stale. Said by the
-        plugin, since a fused optimizer (``AdamW(fused=True)``) writes the weights without
-        moving their version counters."""
-        self._steps += 1
+    def cache_weights_on(self, skip_flag: torch.Tensor) -> None:
+        """The graphs cache their FP8 weights and read ``skip_flag`` (TE's) to know when not to
+        cast them. Every ``torch.optim`` optimizer step counts as a change of every weight: a
+        fused one (``AdamW(fused=True)``) writes them without moving their version counters,
+        and one stepped outside Lightning's plugin hooks (Fabric with a raw optimizer, manual
+        optimization) is seen too."""
+        self.cache_weights_off()
+        ref = weakref.ref(self)
+
+        def stepped(*_: Any) -> None:
+            owner = ref()
+            if owner is not None:
+                owner._steps += 1
+
+        self.cache_weights, self._skip_flag = True, skip_flag
+        self._step_hook = register_optimizer_step_post_hook(stepped)
+        weakref.finalize(self, self._step_hook.remove)
+
+    def cache_weights_off(self) -> None:
+        """No optimizer hook, no flag held (the graphs are released)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._skip_flag = None
 
     def weights_cast(self, cast: bool) -> None:
         """Before a replay (weight caching): tell the graphs to cast their weights or reuse the
-        last cast. TE's graphed callable sets the same flag only for the first FP8 module of an
-        autocast region, which need not be a captured block."""
-        skip = not cast
-        if self._skip_now is not skip:  # stream-ordered: the replays before still read the old
-            self._skip_flag.fill_(skip)
-            self._skip_now = skip
+        last cast. Filled before every replay: TE's graphed callable fills the same tensor for
+        the first FP8 module of an autocast region, which need not be a captured block, and
+        another run's graphs in this process may share it (stream-ordered: the replays before
+        still read the value they were given)."""
+        self._skip_flag.fill_(not cast)
         self.recasts += cast
 
     def tell_eager(self, i: int) -> None:

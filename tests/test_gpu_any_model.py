@@ -294,10 +294,10 @@ def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_pa
 
 
 def test_cached_fp8_weights_follow_a_fused_optimizer_across_accumulated_micro_batches(tmp_path):
-    """A fused AdamW writes the weights without moving their version counters: the plugin's
-    optimizer step still has the graphs cast each block's FP8 weights again at the next step's
-    first micro-batch (with stale casts the blocks would not learn), and the run trains to the
-    loss of the same run without graphs."""
+    """A fused AdamW writes the weights without moving their version counters: its step still
+    has the graphs cast each block's FP8 weights again at the next step's first micro-batch
+    (with stale casts the blocks would not learn), and the run trains to the loss of the same
+    run without graphs."""
     losses = {}
     for graphs in (False, True):
         module, _ = build("nanogpt", tmp_path)

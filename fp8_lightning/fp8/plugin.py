@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Callable, Generator, Literal, Optional
+from typing import Any, Generator, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -96,11 +96,11 @@ class FP8PrecisionBase(FabricPrecision):
             ModelBlockGraphs`; a swapped ``te.Linear`` costs more host time than GPU time).
             Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
             options); a block it cannot replay runs eagerly, said why. With ``delayed`` the
-            graphs cast a block's FP8 weights only after an optimizer step or an in-place write
-            through a parameter (its version counter: a load), so the micro-batches of an
-            accumulated step after the first reuse the cast (TE's FP8 weight caching; nanoGPT
-            1.3B, 8 micro-batches a step, H100: 1.25x -> 1.29x over compiled BF16). This
-            package's GPT graphs its blocks itself (``model.cuda_graphs``).
+            graphs cast a block's FP8 weights only after a ``torch.optim`` optimizer step or an
+            in-place write through a parameter (its version counter: a load), so the
+            micro-batches of an accumulated step after the first reuse the cast (TE's FP8
+            weight caching; nanoGPT 1.3B, 8 micro-batches a step, H100: 1.25x -> 1.29x over
+            compiled BF16). This package's GPT graphs its blocks itself (``model.cuda_graphs``).
         cudnn_attention: a model this package did not build: the plugin's forwards and
             backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
             (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
@@ -673,14 +673,6 @@ class FP8Precision(FP8PrecisionBase, Precision):
     @override
     def predict_step_context(self) -> Any:
         return self._context(fp8=self.fp8_eval)
-
-    @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
-                       **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, model, closure, **kwargs)
-        if self.graphs is not None:  # the blocks' cached FP8 weights are stale now
-            self.graphs.weights_changed()
-        return out
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
