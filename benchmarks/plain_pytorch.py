@@ -1,7 +1,8 @@
 """The plain PyTorch baseline: this package's PyTorch-backend GPT trained the way a hand-written
 script would, with no Lightning: ``torch.compile``, BF16 autocast, fused AdamW, gradient-norm
 clip 1.0, random tokens already on the GPU (no data loading), and on several GPUs
-``DistributedDataParallel`` or FSDP2 (``fully_shard`` per block, BF16 gathers, fp32 reduction).
+``DistributedDataParallel`` or FSDP2 the way torchtitan shards (each block compiled, then
+``fully_shard`` per block; BF16 gathers, fp32 reduction).
 Every BF16 column of docs/benchmarks.md is the faster of this script and the package's own
 compiled BF16 run.
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from fp8_lightning.config import GPTConfig  # noqa: E402
 from fp8_lightning.flops import flops_per_token, mfu, peak_for  # noqa: E402
-from fp8_lightning.model import GPT  # noqa: E402
+from fp8_lightning.model import GPT, compile_model  # noqa: E402
 
 
 def main() -> None:
@@ -44,10 +45,12 @@ def main() -> None:
     parser.add_argument("--activation_checkpointing", choices=("none", "full", "mlp"),
                         default="none", help="as the package's model.activation_checkpointing "
                         "(the Llama-3-8B configs' mlp: what fits 80 GB)")
-    parser.add_argument("--strategy", choices=("ddp", "ddp-bf16grad", "fsdp", "fsdp-keep"),
+    parser.add_argument("--strategy", choices=("ddp", "ddp-bf16grad", "fsdp", "fsdp-keep",
+                                               "fsdp-whole"),
                         default="ddp", help="with several processes (torchrun); ddp-bf16grad: "
-                        "gradients all-reduced in BF16; fsdp-keep: blocks not resharded after "
-                        "forward")
+                        "gradients all-reduced in BF16; fsdp: FSDP2 as torchtitan shards "
+                        "(blocks compiled, then sharded); fsdp-keep: blocks not resharded after "
+                        "forward; fsdp-whole: the model compiled whole around the sharded blocks")
     args = parser.parse_args()
     if args.n_layer is not None and args.n_layer < 1:
         parser.error(f"--n_layer {args.n_layer}: a whole number >= 1 (default: the preset's)")
@@ -71,12 +74,20 @@ def main() -> None:
     if world > 1 and args.strategy.startswith("fsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # torchtitan's layout: each block (and the loss) compiled on its own, then each block
+        # sharded, so FSDP2's gather/reduce hooks stay outside the compiled graphs; the last
+        # block and the root (embeddings, final norm, LM head) stay gathered after forward,
+        # since backward needs them first. fsdp-whole: the model compiled whole around the
+        # sharded blocks (Dynamo breaks its graph at every FSDP2 hook).
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy,
-                        reshard_after_forward=args.strategy != "fsdp-keep")
+        if args.strategy != "fsdp-whole":
+            compile_model(model, per_block=True)
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            fully_shard(block, mp_policy=policy, reshard_after_forward=(
+                args.strategy != "fsdp-keep" and i < len(blocks) - 1))
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
-        step_model = torch.compile(model)
+        step_model = torch.compile(model) if args.strategy == "fsdp-whole" else model
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -38,6 +38,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-1.3b": dict(_GPT2, n_layer=24, n_head=16, n_embd=2048, ffn_hidden=8192),
     "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_heads=8, n_embd=4096,
                       ffn_hidden=14336, block_size=8192),
+    # Llama 3.2 3B's shape (tied embeddings); the 3B-class model FSDP2 is measured at.
+    "llama3.2-3b": dict(_LLAMA3, n_layer=28, n_head=24, n_kv_heads=8, n_embd=3072,
+                        ffn_hidden=8192, block_size=8192, tie_embeddings=True),
     "llama3-small": dict(_LLAMA3, n_layer=12, n_head=16, n_kv_heads=4, n_embd=2048,
                          ffn_hidden=5504, block_size=2048),
     # Small enough for a 2-core CPU; every dim still a multiple of 16 so it also runs FP8.

@@ -311,8 +311,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         float8_all_gather: gather the weights of the float8 GEMMs as float8 (half the bytes of
             BF16 gathers), their scales from one all-reduce per step: the torchao engine with
             recipe ``tensorwise`` (torchao has it for no other recipe; the TE engine's FP8 weights
-            are not built here). Elsewhere it logs why not and weights gather in BF16. While the
-            NaN guard runs BF16, the gathered weights keep float8's rounding.
+            are not built here). ``None`` (default): on where it can run, as torchtitan runs
+            float8 under FSDP2; ``true`` elsewhere logs why not and weights gather in BF16. While
+            the NaN guard runs BF16, the gathered weights keep float8's rounding.
         save_distributed_checkpoint: checkpoints as directories of shards (written in parallel,
             reshardable; ``python -m fp8_lightning consolidate`` makes one file of them) or as one
             file gathered on rank 0.
@@ -322,7 +323,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(self, reshard_after_forward: Optional[bool] = None,
                  param_dtype: str = "bfloat16", blocks_per_unit: Optional[int] = None,
-                 float8_all_gather: bool = False, save_distributed_checkpoint: bool = True,
+                 float8_all_gather: Optional[bool] = None,
+                 save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout) -> None:
         from .config import ConfigError
@@ -376,7 +378,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.param_dtype == "bfloat16":
             mp_policy = gather_policy(weights)
         gathered = []
-        if self.float8_all_gather and plugin is not None:
+        if plugin is not None and (self.float8_all_gather or (self.float8_all_gather is None
+                                                              and plugin.gathers_float8)):
             gathered = plugin.float8_all_gather(gpt)  # before fully_shard, which must see them
         elif self.float8_all_gather:
             log.warning("FSDP2Strategy.float8_all_gather: no FP8 plugin; weights gather in BF16")

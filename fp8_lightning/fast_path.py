@@ -48,6 +48,10 @@ class FastPath:
         regions: on the TE backend, the regions between TE modules are compiled too (else only
             the loss; the PyTorch backend compiles model and loss whole, or block by block
             for ``"per-block"`` graphs).
+        per_block: the PyTorch backend compiles each block and the loss on their own, not the
+            whole model: under FSDP2, so that each block is compiled before it is sharded and
+            FSDP2's gather and reduce hooks stay outside its graph (torchtitan's layout; the
+            whole model compiled around the sharded blocks breaks its graph at every hook).
         graphs: ``"blocks"`` (TE: the block stack as one CUDA graph), ``"per-block"`` (under
             DDP: one graph per block, so each block's all-reduce overlaps the next backward; on
             the PyTorch backend each block compiled, then captured), ``"inductor"`` (PyTorch
@@ -59,6 +63,7 @@ class FastPath:
     compile: bool
     compile_why: str
     regions: bool = True
+    per_block: bool = False
     graphs: Optional[Graphs] = None
     graphs_why: Optional[str] = None
 
@@ -73,15 +78,20 @@ class FastPath:
                        graphs_why=why if self.graphs == "inductor" else self.graphs_why)
 
 
-def plan_compile(wanted: Optional[bool], device_type: str, te_under_fsdp2: bool) -> FastPath:
-    """``model.compile`` (None: the default) on ``device_type``: compile or not, and why.
+def plan_compile(wanted: Optional[bool], device_type: str, backend: str = "torch",
+                 sharded: bool = False) -> FastPath:
+    """``model.compile`` (None: the default) on ``device_type`` for ``backend``'s layers, sharded
+    by FSDP2 or not: compile or not, what, and why.
 
     Default: on a GPU where ``torch.compile`` works; off on a CPU (compiling costs a short CPU
-    run more than it saves). Under FSDP2 the TE blocks run eagerly (no CUDA graphs there), and
-    their compiled regions made the step slower than eager ones (GPT-2 124M FP8 on two H200s:
-    66-70 against 57-58 ms): by default only the loss is compiled there.
+    run more than it saves). Under FSDP2 the PyTorch backend compiles each block on its own
+    before sharding (``per_block``); the TE blocks run eagerly there (no CUDA graphs under
+    FSDP2), and their compiled regions made the step slower than eager ones: by default only
+    the loss is compiled there.
     """
     ok, why = compile_status(device_type)
+    te_under_fsdp2 = backend == "te" and sharded
+    per_block = backend != "te" and sharded
     if wanted is None:
         on = ok and device_type == "cuda"
         if ok and device_type != "cuda":
@@ -89,10 +99,11 @@ def plan_compile(wanted: Optional[bool], device_type: str, te_under_fsdp2: bool)
                    "compile")
         elif on and te_under_fsdp2:
             why = "under FSDP2 the TE blocks run faster eager"
-        return FastPath(on, why, regions=not te_under_fsdp2)
+        return FastPath(on, why, regions=not te_under_fsdp2, per_block=per_block)
     if wanted and not ok:
         return FastPath(False, f"model.compile=true but {why}; training eagerly")
-    return FastPath(bool(wanted), "model.compile: true" if wanted else "model.compile: false")
+    return FastPath(bool(wanted), "model.compile: true" if wanted else "model.compile: false",
+                    per_block=per_block)
 
 
 def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, backend: str,

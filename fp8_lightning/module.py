@@ -188,8 +188,7 @@ class GPTLightningModule(L.LightningModule):
         trainer = self._trainer
         self.fast_path = plan_compile(
             self.hparams.compile, "cuda" if torch.cuda.is_available() else "cpu",
-            te_under_fsdp2=(self.backend_name == "te" and trainer is not None
-                            and is_sharded(trainer.strategy)))
+            self.backend_name, sharded=trainer is not None and is_sharded(trainer.strategy))
         self._check_memory()
         hp = self.hparams
         self.model = GPT(self.config, backend=self.backend_name, attention=self.attention,
@@ -302,7 +301,7 @@ class GPTLightningModule(L.LightningModule):
             rank_zero_info(f"compile: off ({path.compile_why})" if self.hparams.compile is None
                            else "compile: off")
             return
-        self.compiled = compile_model(self.model, regions=path.regions)
+        self.compiled = compile_model(self.model, regions=path.regions, per_block=path.per_block)
         rank_zero_info(f"compile: {self.compiled} (torch.compile; the first steps compile)"
                        + ("" if path.regions or self.backend_name != "te"
                           else f"; {path.compile_why}"))

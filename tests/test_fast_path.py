@@ -22,19 +22,28 @@ class FP8Stats:  # graphs_status knows the callback by its class name (no TE imp
 def test_compile_is_on_on_a_gpu_off_on_a_cpu_and_te_under_fsdp2_compiles_only_the_loss(monkeypatch):
     # (this machine may lack Triton, which a GPU's compile needs: the GPU's answer stands in)
     monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (True, "torch.compile works here"))
-    assert plan_compile(None, "cuda", te_under_fsdp2=False) == FastPath(True, "torch.compile works here")
-    cpu = plan_compile(None, "cpu", te_under_fsdp2=False)
+    assert plan_compile(None, "cuda", "te") == FastPath(True, "torch.compile works here")
+    cpu = plan_compile(None, "cpu", "te")
     assert not cpu.compile and "costs a short CPU run more than it saves" in cpu.compile_why
-    assert plan_compile(True, "cpu", te_under_fsdp2=False).compile  # asked for: compiled
-    fsdp = plan_compile(None, "cuda", te_under_fsdp2=True)
+    assert plan_compile(True, "cpu", "te").compile  # asked for: compiled
+    fsdp = plan_compile(None, "cuda", "te", sharded=True)
     assert fsdp.compile and not fsdp.regions and "faster eager" in fsdp.compile_why
-    assert plan_compile(True, "cuda", te_under_fsdp2=True).regions  # asked for: regions too
-    assert not plan_compile(False, "cuda", te_under_fsdp2=False).compile
+    assert plan_compile(True, "cuda", "te", sharded=True).regions  # asked for: regions too
+    assert not plan_compile(False, "cuda", "te").compile
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_pytorch_backend_compiles_each_block_before_fsdp2_shards_it(monkeypatch, sharded):
+    monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (True, "torch.compile works here"))
+    for wanted in (None, True):
+        path = plan_compile(wanted, "cuda", "torch", sharded=sharded)
+        assert path.compile and path.per_block == sharded
+    assert not plan_compile(None, "cuda", "te", sharded=sharded).per_block  # TE's own layout
 
 
 def test_compile_asked_for_where_it_cannot_run_trains_eagerly_and_says_why(monkeypatch):
     monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (False, "no Triton"))
-    path = plan_compile(True, "cuda", te_under_fsdp2=False)
+    path = plan_compile(True, "cuda", "te")
     assert not path.compile and path.compile_why == "model.compile=true but no Triton; training eagerly"
 
 

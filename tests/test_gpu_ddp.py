@@ -100,6 +100,30 @@ def test_bf16_on_the_pytorch_backend_replays_a_compiled_graph_per_block_under_dd
     assert len(digests) == 2 and digests[0] == digests[1]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tensorwise"])
+def test_the_pytorch_backend_under_fsdp2_compiles_each_block_before_sharding(tmp_path, precision):
+    """FSDP2 as torchtitan runs it: the PyTorch backend's blocks (BF16, or torchao float8 with
+    the weights gathered as float8 by default) each compiled before they are sharded, FSDP2's
+    hooks outside the graphs; the losses are one GPU's reading both ranks' samples."""
+    if precision == "bf16":
+        config, extra = "configs/gpt2_bf16.yaml", []
+    else:
+        pytest.importorskip("torchao")
+        config = "configs/gpt2_fp8.yaml"
+        extra = ["--trainer.plugins.init_args.recipe", "tensorwise", "--model.attention", "sdpa"]
+    _, one = fit(tmp_path / "one", "--trainer.devices", "1", "--data.emulate_ranks", "2",
+                 "--trainer.accumulate_grad_batches", "2", *extra, config=config)
+    out, losses = fit(tmp_path / "fsdp", "--config", "configs/fsdp.yaml", "--trainer.devices", "2",
+                      *extra, config=config)
+    assert "compile: each block and the loss" in out, out[-4000:]
+    if precision == "tensorwise":
+        assert "GEMM weights gather as float8" in out and "FP8 verified" in out
+    assert sorted(losses) == sorted(one) == [10, 20, 30]
+    worst = max(abs(losses[s] - one[s]) / one[s] for s in one)
+    print(f"\n[{precision} FSDP2 2 GPUs vs 1 GPU] losses {losses} vs {one}, worst gap {worst:.4f}")
+    assert losses[30] < losses[10] - 0.5 and worst < 0.03
+
+
 @needs_te
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-delayed"])
 def test_activation_checkpointing_under_fsdp2_matches_none_on_two_gpus(tmp_path, fp8):

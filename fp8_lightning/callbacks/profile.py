@@ -205,5 +205,6 @@ class StepProfile(Callback):
         log_dir = trainer.log_dir if trainer.loggers else None  # no logger: no file in the cwd
         if trainer.is_global_zero and log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            record = {"first_step": self.start_step, "steps": steps, "ranks": self.result}
+            record = {"first_step": self.start_step, "steps": steps, "ranks": self.result,
+                      "kernels": self.kernels}  # rank zero's GPU time by kernel
             (Path(log_dir) / "step_profile.json").write_text(json.dumps(record, indent=1) + "\n")

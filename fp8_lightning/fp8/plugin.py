@@ -309,6 +309,11 @@ class FP8PrecisionBase(FabricPrecision):
         """``fp8_layers`` as this run applies it: the user's, else the recipe's default."""
         return self.fp8_layers or RECIPES[self.recipe_config["recipe"]].fp8_layers
 
+    @property
+    def gathers_float8(self) -> bool:
+        """Can FSDP2 gather this run's FP8 weights as float8 (the engine and recipe have it)?"""
+        return self.engine.name == "torchao" and self.recipe_config["recipe"] == "tensorwise"
+
     def float8_all_gather(self, gpt: nn.Module) -> list[tuple[nn.Module, str]]:
         """Before FSDP2 shards ``gpt`` (``FSDP2Strategy(float8_all_gather=True)``): the engine
         makes the weights of the GEMMs that will run FP8 gather as FP8. Returns them as
