@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 # The public names and the module each lives in, imported on first use (PEP 562): importing a
 # light module such as `fp8_lightning.data.documents` (in prepare's spawned workers) or the
 # `fp8_lightning.__main__` of a spawned child must not import Lightning and the whole package,
-# about 10 s per process on a small CPU.
+# seconds per process on a small CPU.
 _EXPORTS = {
     "AtomicCheckpointIO": "checkpoint", "CheckpointError": "checkpoint",
     "Checkpoint": "callbacks.checkpoint", "TrainingMonitor": "callbacks.monitor",

@@ -147,7 +147,8 @@ class GPTConfig:
     """Carry the residual stream in float32 under autocast (the embedding's dtype, as nanoGPT
     does). Unset: yes on the torch backend; no on the TE backend, which carries it in the
     autocast dtype as TE's TransformerLayer and Megatron-LM do: half the traffic in every residual
-    add and norm and no per-block casts (GPT 1.3B, FP8, H100: 125.1 -> 115.5 ms/step)."""
+    add and norm and no per-block casts (measured: docs/benchmarks.md, the residual stream on
+    the TE engine)."""
     padded_vocab_size: Optional[int] = None
     """Derived: vocab_size rounded up to a multiple of 128 (do not set by hand)."""
 

@@ -73,8 +73,19 @@ class _DropAdverts(logging.Filter):
         return True
 
 
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """A warning as a sentence: ``WARNING: <message>``, without the source path and line that
+    Python's default format puts first (they point into this package or Lightning, not at
+    anything the user wrote); a category other than a user warning is named."""
+    kind = "" if issubclass(category, UserWarning) else f" ({category.__name__})"
+    return f"WARNING{kind}: {message}\n"
+
+
 def quiet_console() -> None:
-    """Log this package at INFO, other libraries at WARNING; drop adverts and inapplicable warnings."""
+    """Log this package at INFO, other libraries at WARNING; drop adverts and inapplicable warnings;
+    warnings print as sentences."""
+    warnings.formatwarning = _format_warning
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("fp8_lightning").setLevel(logging.INFO)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",

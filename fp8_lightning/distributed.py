@@ -136,10 +136,10 @@ def gather_policy(weights: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-# Parameters per FSDP2 unit that amortise a unit's Python hooks and collective launches (FP8,
-# weights kept gathered, two H200s): GPT-2 124M made 241k tok/s per GPU with its 12 blocks in one
-# unit against 203k a block a unit, the 1.3B 38.7k with 6 blocks a unit against 31.5k; an 8B
-# block (218M) is a unit alone.
+# Parameters per FSDP2 unit that amortise a unit's Python hooks and collective launches: fewer
+# hooks a step made GPT-2 124M (its 12 blocks in one unit) and the 1.3B (6 blocks a unit) faster
+# than a block a unit (docs/benchmarks.md, how the FSDP2 layout was chosen); an 8B block
+# (218M) is a unit alone.
 UNIT_PARAMS = 200_000_000
 
 
@@ -148,7 +148,7 @@ class AgreedStop:
 
     Lightning >= 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step and
     reads it with ``.item()``: a host sync per step, after which the GPU idles while the host
-    issues the next step (BF16 DDP on two H100s: 13-18 ms a step,
+    issues the next step (measured under DDP: docs/benchmarks.md, several GPUs;
     Lightning-AI/pytorch-lightning#21487; the upstream fix, PR #21640, is unreleased). Here each
     rank's stop request is all-reduced (max) at every step start instead, and read one step
     late: from pinned memory behind a CUDA event, which the GPU passed long ago. Every rank then

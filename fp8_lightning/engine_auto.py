@@ -50,10 +50,9 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
     each FP8 candidate with the run's layer ``policy`` (the plugin's
     :data:`~fp8_lightning.fp8.policy.POLICY_FIELDS`), so that the figure is of what would train.
 
-    ``warmup``: torchao's compiled step runs ~6% slow for a few steps after its compilation
-    (GPT-2 124M 16 x 1024, H100: 46.04 ms/step timed after 3 warm-up steps, 43.48 after 10;
-    bench's 15 steps after 5: 43.41; docs/benchmarks.md), which made the probe read
-    torchao slower than bench does; the other candidates settle within 3."""
+    ``warmup``: torchao's compiled step runs slow for a few steps after its compilation
+    (measured: docs/benchmarks.md, engine choice), which made the probe read torchao slower
+    than bench does; the other candidates settle within 3."""
     device = torch.device("cuda")
     timings: dict[str, Optional[float]] = {}
     for name in candidates(attention):

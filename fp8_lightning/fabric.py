@@ -204,7 +204,8 @@ def load(fabric: Fabric, path: Any, state: dict[str, Any]) -> None:
     puts a directory checkpoint's saved state of objects other than modules and optimizers into
     ``state`` in place of the objects (``state[key] = metadata.pop(key)`` in its
     ``_load_checkpoint``; its one-file path calls their ``load_state_dict``): without this an FP8
-    run resumed under FSDP2 started its scaling state afresh (its next loss 7.77 against 7.20).
+    run resumed under FSDP2 started its scaling state afresh, and its next loss jumped
+    (docs/fabric.md).
     """
     stateful = {key: obj for key, obj in state.items()
                 if callable(getattr(obj, "load_state_dict", None))

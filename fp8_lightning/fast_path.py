@@ -86,8 +86,8 @@ def plan_compile(wanted: Optional[bool], device_type: str, backend: str = "torch
     Default: on a GPU where ``torch.compile`` works; off on a CPU (compiling costs a short CPU
     run more than it saves). Under FSDP2 the PyTorch backend compiles each block on its own
     before sharding (``per_block``); the TE blocks run eagerly there (no CUDA graphs under
-    FSDP2), and their compiled regions made the step slower than eager ones: by default only
-    the loss is compiled there.
+    FSDP2), and their compiled regions made the step slower than eager ones
+    (docs/benchmarks.md): by default only the loss is compiled there.
     """
     ok, why = compile_status(device_type)
     te_under_fsdp2 = backend == "te" and sharded
@@ -144,8 +144,8 @@ def _inductor_graphs_status(path: FastPath, wanted: Optional[bool], world_size: 
             return False, ("torchao float8 under DDP: the model is compiled whole, DDP's "
                            "all-reduce between its compiled pieces")
         # Inductor's own graphs cannot hold DDP's all-reduce hooks; a graph per compiled block
-        # leaves them between the replays, as on the TE path (GPT-2 124M BF16 on two H100s,
-        # with the SIGTERM fix of distributed.py: 0.96x the plain DDP script, whole: 0.84x).
+        # leaves them between the replays, as on the TE path (measured faster than the whole
+        # model's graph: docs/benchmarks.md, several GPUs).
         return True, "DDP, a compiled graph per block"
     if not runs_float8 and wanted is None:
         return False, ("BF16 on the PyTorch backend is compiled without them (measured: "

@@ -306,8 +306,9 @@ def prepare_graphs(graphs: Any, model: nn.Module, batch_shape: tuple[int, int],
     Without gradient accumulation the parameter gradients are the graphs' own static buffers
     (TE's ``clone_param_grads_on_return=False``): each step's optimizer consumes them before the
     next replay overwrites them, and ``zero_grad(set_to_none=True)`` (Lightning's default) drops
-    them, so the clone of every gradient per step (a full pass over them: ~3 ms at 1.3B on an
-    H100) is saved. With accumulation the next micro-batch's replay would overwrite the gradient
+    them, so the clone of every gradient per step (a full pass over them; docs/benchmarks.md,
+    what the fast path is made of) is saved. With accumulation the next micro-batch's replay
+    would overwrite the gradient
     being accumulated into, so they are cloned.
     """
     if graphs is FAILED:

@@ -240,7 +240,7 @@ def host_ms(step: Callable[[], Any], device: torch.device, repeats: int = 3
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(1_000_000_000)  # ~0.5-0.6 s of spinning at Hopper clocks
+        torch.cuda._sleep(1_000_000_000)  # a billion cycles: to outlast the issue (checked below)
         spinning = torch.cuda.Event()
         spinning.record()
         t0 = time.perf_counter()
@@ -331,8 +331,11 @@ def host_profile(step: Callable[[], Any], steps: int = 3, top: int = 12) -> list
 def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
                 steps: int, warmup: int, device: torch.device, module_class: type,
                 fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
-                profile: bool = False) -> dict[str, Any]:
+                profile: bool = False, stepped: Callable[[], Any] = lambda: None
+                ) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` ones; returns the variant's figures.
+    ``stepped`` is called after each warm-up and timed step (issued: on a GPU the host runs
+    ahead), for a progress line.
 
     Raises whatever the step raises (``torch.OutOfMemoryError`` included): :func:`bench` records it.
     """
@@ -346,10 +349,12 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
                               total_steps=warmup + steps + 8)
     for _ in range(warmup):
         step()
+        stepped()
     timer = _Timer(device)
     timer.start()
     for _ in range(steps):
         loss = step()
+        stepped()
     ms = timer.stop() / steps
     result: dict[str, Any] = {"loss": loss.item()}
     host, host_note = host_ms(step, device)
@@ -383,13 +388,13 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
 def measure(variant: Variant, config: GPTConfig, batch_size: int, seq_len: int, *,
             steps: int, warmup: int, device: torch.device, module_class: type,
             fp8_args: Optional[dict[str, Any]] = None, seed: int = 0,
-            profile: bool = False) -> dict[str, Any]:
+            profile: bool = False, stepped: Callable[[], Any] = lambda: None) -> dict[str, Any]:
     """:func:`run_variant` that never raises: out of memory is a skip, any other error a
     failure with its reason; the variant's memory is freed before returning."""
     try:
         result = run_variant(variant, config, batch_size, seq_len, steps=steps, warmup=warmup,
                              device=device, module_class=module_class, fp8_args=fp8_args,
-                             seed=seed, profile=profile)
+                             seed=seed, profile=profile, stepped=stepped)
     except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the table
         message = str(err).strip().splitlines()
         if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():

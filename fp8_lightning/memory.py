@@ -32,14 +32,12 @@ first: the peak is ``weights + optimizer + max(activations + head gradient, grad
 their sum under gradient accumulation (the gradients of the earlier micro-batches are held).
 That holds where gradients are freed between steps: the module drops them right after the
 optimizer step (Lightning alone keeps them through the next step's forward). DDP's gradient
-buckets and the CUDA graphs' static gradients stay allocated; the one-GPU and DDP figures below
-are measured with them.
+buckets and the CUDA graphs' static gradients stay allocated; the one-GPU and DDP checks below
+ran with them.
 
-Measured against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step): 0.95x and
-0.86x on an H100 (GPT-2 124M cut to 4 blocks, 8 x 1024, compiled BF16 and TE FP8;
-``tests/test_gpu_bench.py``), 0.98-1.01x (compiled BF16) and 1.02-1.27x (TE FP8, which keeps
-fewer activations than counted) against the H200 tables, 1.02x (TE FP8) and 1.04x (compiled BF16)
-for Llama-3-8B with ``mlp`` under FSDP2 on two H100s (docs/benchmarks.md). The CUDA
+Checked against ``torch.cuda.max_memory_allocated`` (bench's peak of the same step;
+``tests/test_gpu_bench.py``; the figures: docs/benchmarks.md, peak memory): close for compiled
+BF16, further off for TE FP8, mostly high (it keeps fewer activations than counted). The CUDA
 context and the allocator's fragmentation are not in it: the check compares with the memory free
 *and* already reserved by this process.
 """

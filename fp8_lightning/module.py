@@ -80,8 +80,8 @@ class GPTLightningModule(L.LightningModule):
             (``torch.compile(mode="reduce-overhead")``); captured at the first step. Default: on
             where that is measured to win: the TE backend on one GPU (the stack as one graph)
             and under DDP (a graph per block, DDP's all-reduce between them), or the PyTorch
-            backend on one GPU with the torchao engine's float8 GEMMs (in BF16 it gained under
-            1%, so BF16 on the PyTorch backend stays without). FSDP2, FP8Stats, activation
+            backend on one GPU with the torchao engine's float8 GEMMs (in BF16 they gained
+            nothing measurable, so BF16 on the PyTorch backend stays without). FSDP2, FP8Stats, activation
             checkpointing and, on the PyTorch backend, gradient accumulation and DDP run
             without.
         compile: ``torch.compile`` the model for training (parameter names unchanged; see
@@ -171,8 +171,8 @@ class GPTLightningModule(L.LightningModule):
         self._graphs: Any = None  # BlockGraphs once captured
         self._cudagraphed = False  # the PyTorch backend compiled with CUDA graphs
         # The parameters and whether the clip folds into the optimizer, looked up at a run's
-        # first step rather than every step: ``self.parameters()`` walks every submodule (~0.1 ms
-        # a call at GPT-2 124M on the H100's host), twice a step (bench --profile's host profile).
+        # first step rather than every step: ``self.parameters()`` walks every submodule, twice
+        # a step (it showed in bench --profile's host profile).
         self._params: Optional[tuple[torch.nn.Parameter, ...]] = None
         self._fold: Optional[bool] = None
 
@@ -447,8 +447,7 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on
         # a run's or an epoch's last step, not on the others, whose value the loggers discard:
-        # one self.log costs 0.3-0.7 ms of host time (CPU A/B), 2-3% of a
-        # host-bound GPT-2 step. So ``callback_metrics["train/loss"]`` is at most
+        # each self.log costs host time a host-bound step cannot spare. So ``callback_metrics["train/loss"]`` is at most
         # log_every_n_steps - 1 steps old. Not on the progress bar: the bar reads it every step,
         # a host sync (TrainingMonitor prints the loss instead). The condition is the one Lightning
         # writes to the loggers by (its private _LoggerConnector.should_update_logs), plus the
@@ -498,8 +497,8 @@ class GPTLightningModule(L.LightningModule):
         elif self.grad_norm is not None and fold:
             # The clip as the fused AdamW's ``grad_scale`` (the divisor GradScaler uses): the
             # update divides each gradient by it in its own pass and writes the clipped gradient
-            # back, instead of a separate multiply over every gradient (~4 ms per step at 1.3B
-            # on an H100). Same coefficient as clip_grads_with_norm_: max_norm / (norm + 1e-6).
+            # back, instead of a separate pass over every gradient. Same coefficient as
+            # clip_grads_with_norm_: max_norm / (norm + 1e-6).
             optimizer.grad_scale = (self.grad_norm + 1e-6).div(gradient_clip_val).clamp(min=1.0)
         elif self.grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.trained_parameters(), gradient_clip_val,
@@ -510,9 +509,8 @@ class GPTLightningModule(L.LightningModule):
                        optimizer_closure: Optional[Callable[[], Any]] = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # Lightning zeroes gradients inside the next step's closure, after its forward: the last
-        # step's gradients would sit beside that forward's activations (15 GiB a GPU for
-        # Llama-3-8B under FSDP2 on two H100s, which ran it out of memory with selective
-        # checkpointing). Dropped here, as a plain PyTorch loop (and bench's step) does.
+        # step's gradients would sit beside that forward's activations (Llama-3-8B under FSDP2
+        # ran out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does.
         optimizer.zero_grad(set_to_none=True)
 
     @override

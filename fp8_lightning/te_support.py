@@ -90,9 +90,9 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU has BF16 instructions (x86 AVX512-BF16 or AMX, Arm BF16).
 
     Without them PyTorch emulates BF16 autocast on the CPU: a GPT step runs several times slower
-    than in fp32 (the tiny quickstart model: ~8 s vs ~1.5 s per step on a 2-core AMD EPYC with
-    AVX2 only). torch asks cpuinfo for the x86 features; its own query is private, so a missing
-    one falls back to the kernel's flag list.
+    than in fp32 (the tiny quickstart model on an x86 CPU with AVX2 only). torch asks cpuinfo for
+    the x86 features; its own query is private, so a missing one falls back to the kernel's flag
+    list.
     """
     cpu = getattr(torch._C, "_cpu", None)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):

@@ -103,3 +103,28 @@ def test_training_and_compare_tables_need_no_matplotlib():
                             capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == 'x needs matplotlib: pip install "fp8-lightning[plots]"'
+
+
+GPU_NAME = re.compile(r"\bH[12]00s?\b")
+FIGURE = re.compile(r"\b\d+\.\d+x\b|\d[\d,.]*k? tok/s")
+
+
+def quotes_a_measurement(text: str) -> bool:
+    """A GPU named beside a measured ratio (``1.23x``) or throughput (``241k tok/s``)."""
+    return bool(GPU_NAME.search(text) and FIGURE.search(text))
+
+
+def test_package_code_quotes_no_measured_figures():
+    """Figures live in docs/benchmarks.md; the package's comments, docstrings and messages say
+    what and why. A sentence wraps, so each line is read with the two after it."""
+    assert quotes_a_measurement("weight caching; nanoGPT 1.3B, H100: 1.25x -> 1.29x over")
+    assert quotes_a_measurement("# weights kept gathered, two H200s): GPT-2 124M made 241k tok/s")
+    assert not quotes_a_measurement('(("h100", "pcie"), Peak("H100 PCIe", 756.5 * T, 1513 * T)),')
+    found = []
+    for path in sorted((ROOT / "fp8_lightning").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for i in range(len(lines)):
+            if FIGURE.search(lines[i]) and quotes_a_measurement(" ".join(lines[max(0, i - 2):i + 3])):
+                found.append(f"{path.relative_to(ROOT)}:{i + 1}: {lines[i].strip()}")
+    assert not found, "measured figures in package code (their home: docs/benchmarks.md):\n" + \
+        "\n".join(found)

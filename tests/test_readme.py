@@ -417,3 +417,102 @@ def test_doctor_command_on_cpu(capsys, at_root):
     assert code == 1  # FP8 requested but unusable here
     assert "FP8 delayed is requested but CANNOT run here" in out
     assert "FP8 needs an NVIDIA GPU with compute capability >= 8.9" in out
+
+
+# The console lines a quickstart fit prints (fp8_lightning.callbacks.monitor and cli.after_fit)
+QUICKSTART_LINES = {
+    "precision": r"precision: (FP8 \w+|BF16|FP32) ?(\(fallback: .+\))?",
+    "step": r"step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| norm [\d.]+ \| dt [\d.]+ms \| "
+            r"tok/s [\d,]+ \| mfu (n/a|[\d.]+%)( \| mfu_fp8 [\d.]+%)? \| (.+)",
+    "val": r"step (\d+) \| val/loss ([\d.]+) \| val/ppl [\d.]+",
+    "sample": r"sample \(step (\d+)\): ['\"]ROMEO:.*['\"]",
+    "done": r"done: step (\d+), ([\d,]+) tokens seen; this run took [\d.]+ (s|min); "
+            r"train loss ([\d.]+), val loss ([\d.]+)",
+    "checkpoints": r"checkpoints: \S+/checkpoints",
+    "generate": r"sample: python -m fp8_lightning generate --ckpt \S+/checkpoints/last\.ckpt "
+                r"--prompt \"\.\.\.\"",
+    "continue": r"continue: the same command with --ckpt_path last --trainer\.max_steps (\d+) "
+                r"--model\.lr_decay_steps (\d+)",
+}
+
+
+def readme_quickstart_output() -> list[str]:
+    """The console output the README shows for the quickstart (its section's block with `done:`)."""
+    section = (ROOT / "README.md").read_text().split("## The quickstart run", 1)[1].split("\n## ")[0]
+    (block,) = [b for b in re.findall(r"```\n(.*?)```", section, re.S) if "\ndone: step" in b]
+    return block.strip().splitlines()
+
+
+def kind_of(line: str) -> tuple[str, re.Match]:
+    for kind, pattern in QUICKSTART_LINES.items():
+        if match := re.fullmatch(pattern, line):
+            return kind, match
+    raise AssertionError(f"the README shows a line no quickstart prints: {line!r}")
+
+
+def test_the_readmes_quickstart_output_is_what_the_quickstart_prints(tmp_path):
+    """The README's quickstart output cannot go stale: every line has the shape of a line the
+    run prints, and what a short run can reproduce agrees with it: its first logged step (loss,
+    learning rate, precision), the tokens of 300 steps, the continue line's numbers, and the
+    validation loss the README's prose quotes."""
+    import yaml
+
+    shown = [kind_of(line) for line in readme_quickstart_output()]
+    kinds = [k for k, _ in shown]
+    assert kinds[0] == "precision" and kinds[-4:] == ["done", "checkpoints", "generate", "continue"]
+    config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    max_steps, batch = config["trainer"]["max_steps"], config["data"]["batch_size"]
+    done = dict(shown)["done"]
+    assert int(done[1]) == max_steps
+    assert int(done[2].replace(",", "")) == max_steps * batch * 128  # the tiny preset's context
+    assert dict(shown)["continue"].groups() == (str(2 * max_steps), str(max_steps))
+    vals = [m for k, m in shown if k == "val"]
+    assert vals and vals[-1][2] == done[5]  # the last validation is the one the run ends on
+    prose = re.search(r"reached a validation\s+loss of ([\d.]+)", (ROOT / "README.md").read_text())
+    assert prose and float(prose[1]) == round(float(done[5]), 2), (prose, done[5])
+
+    # The run's first logged step, as a user's quickstart makes it (10 steps of the same run).
+    result = subprocess.run(
+        [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
+         "--trainer.max_steps", "10", "--model.lr_decay_steps", str(max_steps),
+         "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(tmp_path)],
+        cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ran = [kind_of(line) for line in result.stdout.splitlines() + result.stderr.splitlines()
+           if re.fullmatch(QUICKSTART_LINES["step"], line)
+           or line.startswith("precision: ")]
+    ran_step = next(m for k, m in ran if k == "step" and m[1] == "10")
+    shown_step = next(m for k, m in shown if k == "step" and m[1] == "10")
+    assert ran_step[3] == shown_step[3]  # the learning rate: the schedule, exactly
+    # the loss: the same seed and data; BF16 or FP32, whichever this CPU has, moves it a little
+    assert abs(float(ran_step[2]) - float(shown_step[2])) < 0.02 * float(shown_step[2]), (
+        ran_step[0], shown_step[0])
+    assert re.fullmatch(r"(BF16|FP32) \(fallback\)|FP8 \w+", ran_step[6]) and \
+        re.fullmatch(r"(BF16|FP32) \(fallback\)|FP8 \w+", shown_step[6])
+
+
+# Files the maps name that are the user's or a run's, not the repository's
+USERS_FILES = {"config.yaml", "train_fp8.py"}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_maps_name_only_files_that_exist(doc):
+    """README's layout and the architecture page name files by path or by bare name (inside a
+    folder's list): each must be a file of the repository, so a rename cannot leave them stale."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, text=True, capture_output=True)
+    files = set(tracked.stdout.split()) if tracked.returncode == 0 else {
+        str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()}
+    names = {Path(f).name for f in files}
+    text = (ROOT / doc).read_text()
+    missing = []
+    for named in sorted(set(re.findall(r"`([\w./-]+\.(?:py|sh|yaml|md|ipynb|png))`", text))):
+        if named in USERS_FILES:
+            continue
+        if "/" in named:
+            found = any(f == named or f.endswith("/" + named) for f in files)
+        else:
+            found = named in names
+        if not found:
+            missing.append(named)
+    assert not missing, f"{doc} names files that do not exist: {missing}"

@@ -2,7 +2,7 @@
 
 One line per logged step (rank zero)::
 
-    step 250 | loss 3.4568 | lr 6.00e-04 | norm 0.823 | dt 156.8ms | tok/s 334,567 | mfu 41.2% | mfu_fp8 20.6% | FP8 delayed
+    step 250 | loss 3.4568 | lr 6.00e-04 | norm 0.823 | dt 49.0ms | tok/s 334,567 | mfu 41.2% | mfu_fp8 20.6% | FP8 delayed
 
 * ``loss``: mean training loss over the steps since the previous line; ``norm``: total gradient
   norm before clipping, of the last step; ``lr``: the first parameter group's learning rate.
@@ -46,6 +46,7 @@ from typing_extensions import override
 from ..distributed import is_sharded
 from ..flops import Peak, flops_per_token, peak_for
 from ..flops import mfu as mfu_of
+from ..progress import Progress
 from ..fp8.plugin import fp8_plugin
 from ..logs import (CONFIG_TEXT, FALLBACK_EVENTS, FALLBACK_KINDS, FP8_ACTIVE, FP8_EVENTS_TEXT,
                     GRAD_NORM, HP_METRIC, LR, MFU, MFU_FP8, PAUSED, PEAK_MEMORY, PRECISION_TEXT,
@@ -165,6 +166,8 @@ class TrainingMonitor(Callback):
         # reset it on entry and exit, so that each is measured alone), and validation's.
         self._train_peak = 0.0
         self._val_peak: Optional[float] = None
+        self._first_step: Optional[Progress] = None  # lines while the first step compiles
+        self._batches = 0  # training batches of this fit so far
 
     # ------------------------------------------------------------------------- helpers
     def _peak_memory(self, pl_module: "L.LightningModule") -> float:
@@ -236,6 +239,28 @@ class TrainingMonitor(Callback):
         self._last_step = trainer.global_step
         self._open_window(trainer, pl_module)
 
+    @override
+    def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                             batch: Any, batch_idx: int) -> None:
+        # A compiled run's first step compiles (minutes for a large model, or on a small CPU):
+        # a line every few seconds says it is working, not stuck.
+        first, self._batches = self._batches == 0, self._batches + 1
+        if first and self.console and getattr(pl_module, "compiled", None):
+            self._first_step = Progress("first training step", 0, lambda: None,
+                                        say=lambda line: console_print(trainer, line),
+                                        fmt=lambda _: "compiling")
+            self._first_step.__enter__()
+
+    def _first_step_done(self) -> None:
+        if self._first_step is not None:
+            self._first_step.__exit__(None, None, None)
+            self._first_step = None
+
+    @override
+    def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                     exception: BaseException) -> None:
+        self._first_step_done()
+
     def _log_events(self, trainer: "L.Trainer") -> None:
         history = fp8_history(trainer)
         new = history[self._events_seen:]
@@ -254,6 +279,7 @@ class TrainingMonitor(Callback):
     @override
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._first_step_done()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             # On the device, no sync: the mean is read once per line. Lightning divides the loss
@@ -285,7 +311,7 @@ class TrainingMonitor(Callback):
         The loss sum and grad norm are copied to pinned host memory behind a CUDA event; the line
         is emitted at the next step, after waiting for that event only: the GPU then still has
         the next step queued, so the pipeline is never drained (a full synchronize every line
-        cost ~1-2% of the step time of GPT-2 124M on an H200).
+        would).
         """
         cuda = pl_module.device.type == "cuda"
         values = {}
@@ -315,8 +341,8 @@ class TrainingMonitor(Callback):
         # On a GPU the window runs from the step that closed the last line to this one on the
         # GPU's own clock (bubbles where it waited for the host included). Host time would start
         # the window when the last line was printed, one step late: the run's final line,
-        # printed without that lag, showed one step too few (dt 3.4 ms, MFU 1581% at
-        # log_every_n_steps 1; 8B cut to 2 layers, FSDP2, one H200).
+        # printed without that lag, showed one step too few (an impossible MFU at
+        # log_every_n_steps 1).
         if pending["event"] is not None and window["event"] is not None:
             elapsed = window["event"].elapsed_time(pending["event"]) / 1000.0
         else:
@@ -450,6 +476,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._first_step_done()
         if self._pending is not None:
             self._emit(trainer, pl_module)
         self._log_events(trainer)

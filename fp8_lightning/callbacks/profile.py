@@ -14,8 +14,8 @@ which add up to the step's wall time. ``comm`` (all NCCL time, hidden or not) an
 one line per rank and logs its own split as ``profile/*`` scalars.
 
 Kineto keeps CUPTI attached after a profile unless ``TEARDOWN_CUPTI=1``, and a run whose host
-sets the pace stays 20-35% slower after the profiled steps (GPT-2 124M under FSDP2 or BF16 DDP,
-pytorch/pytorch#144455): ``StepProfile`` sets it (CUDA >= 12.6, unless already set).
+sets the pace stays markedly slower after the profiled steps (pytorch/pytorch#144455; measured:
+docs/benchmarks.md, Method): ``StepProfile`` sets it (CUDA >= 12.6, unless already set).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def teardown_cupti_after_profiling() -> None:
     """Ask Kineto to detach CUPTI when the profiler stops. Left attached (its default), CUPTI
-    keeps taxing every kernel launch for the rest of the run: GPT-2 124M BF16 under DDP ran 49 ->
-    67 ms a step after a profile (pytorch/pytorch#144455). torch itself forces it off only for
-    CUDA graphs before CUDA 12.6, whose CUPTI crashed re-attaching after a teardown; a value the
-    user set is kept."""
+    keeps taxing every kernel launch for the rest of the run, so a host-bound step stays slower
+    after a profile (pytorch/pytorch#144455; docs/benchmarks.md, Method). torch itself forces
+    it off only for CUDA graphs before CUDA 12.6, whose CUPTI crashed re-attaching after a
+    teardown; a value the user set is kept."""
     import os
 
     from torch.torch_version import TorchVersion

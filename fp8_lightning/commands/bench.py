@@ -54,6 +54,7 @@ from ..flops import flops_per_token
 from ..measure import DEFAULT_VARIANTS, environment, measure, method, parse_variant, skip_reason
 from ..module import GPTLightningModule
 from ..plots import MissingExtraError
+from ..progress import Progress
 from ..te_support import cpu_has_native_bf16, te_status
 from .run_config import check_fp8_plugin, fp8_plugin_args, load_run_config, positive_int_problems
 
@@ -148,8 +149,9 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         config: a ``fit`` YAML (``configs/*.yaml``): model, ``data.batch_size``, FP8 plugin args.
         variants: variants to run, in order (comma-separated or a list); default: all of
             torch-compile, torch-eager, te-bf16, fp8-delayed, fp8-current, fp8-block, fp8-mxfp8,
-            te-bf16-te-attn, fp8-delayed-te-attn, fp8-delayed-bf16ends. Those that cannot run
-            here are listed as skipped with the reason.
+            te-bf16-te-attn, fp8-delayed-te-attn, fp8-delayed-bf16ends, fp8-tensorwise,
+            fp8-rowwise (on a CPU without torch-compile, whose compilation takes minutes there).
+            Those that cannot run here are listed as skipped with the reason.
         steps: timed training steps per variant.
         warmup: untimed steps first (compilation, FP8 scale calibration, cuBLAS autotuning).
         model: a preset replacing the config's ``model.config.name`` (e.g. ``gpt-1.3b``).
@@ -163,7 +165,11 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
         profile: also profile 3 steps of each variant on the GPU and print the kernel time per
             step by category (GEMM, attention, FP8 cast/transpose/amax, loss, optimizer, other).
     """
-    names = DEFAULT_VARIANTS if not variants else variants
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # On a CPU the default leaves torch-compile out: Inductor compiling the model's step takes
+    # minutes on a small CPU, and fit trains eagerly there anyway (model.compile's default).
+    names = variants or [n for n in DEFAULT_VARIANTS
+                         if device.type == "cuda" or n != "torch-compile"]
     if isinstance(names, str):
         names = [names]
     names = [n.strip() for item in names for n in item.split(",") if n.strip()]
@@ -190,19 +196,33 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
     if problems:
         raise ConfigError(problems, "bench")
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    skipped = {v.name: skip_reason(v, batch_size, seq_len) for v in parsed}
+    if device.type == "cpu":
+        runs = [name for name, reason in skipped.items() if reason is None]
+        log.info("bench on a CPU: FP8 cannot run here, so nothing timed here tells what FP8 buys "
+                 "on a GPU (its variants are listed as not run); %d variant(s) to time (%s), each "
+                 "%d warm-up + %d timed steps, with the time left printed every few seconds",
+                 len(runs), ", ".join(runs) or "none", warmup, steps)
     results = []
     for variant in parsed:
-        reason = skip_reason(variant, batch_size, seq_len)
+        reason = skipped[variant.name]
         if reason is not None:
             results.append({"variant": variant.name, "status": "skipped", "reason": reason})
             log.info("bench %s: skipped (%s)", variant.name, reason)
             continue
         log.info("bench %s: %d warm-up + %d steps", variant.name, warmup, steps)
         fp8_args = fp8_plugin_args(run, variant) if variant.recipe else None
-        results.append(measure(variant, model_config, batch_size, seq_len, steps=steps,
-                               warmup=warmup, device=device, module_class=GPTLightningModule,
-                               fp8_args=fp8_args, seed=seed, profile=profile))
+        issued = [0]  # steps the host has issued (the first one compiles, where compiled)
+
+        def stepped() -> None:
+            issued[0] += 1
+
+        with Progress(f"bench {variant.name}, steps", warmup + steps, lambda: issued[0],
+                      say=log.info):
+            results.append(measure(variant, model_config, batch_size, seq_len, steps=steps,
+                                   warmup=warmup, device=device, module_class=GPTLightningModule,
+                                   fp8_args=fp8_args, seed=seed, profile=profile,
+                                   stepped=stepped))
     ran = {r["variant"]: r for r in results if r["status"] == "ran"}
     base = baseline if baseline in ran else next(iter(ran), None)
     if baseline is not None and base != baseline:

@@ -4,12 +4,15 @@ one file for one GPU or the CPU)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint import (DCP_METADATA, SHARDED_META, CheckpointError, atomic_torch_save,
                           consolidate_checkpoint, describe_checkpoint, human_size,
-                          is_sharded_checkpoint, list_checkpoints, load_checkpoint_file)
+                          is_sharded_checkpoint, list_checkpoints, load_checkpoint_file,
+                          temporary_beside)
+from ..progress import Progress
 
 
 def consolidate(checkpoint: str, output: Optional[str] = None) -> str:
@@ -28,13 +31,47 @@ def consolidate(checkpoint: str, output: Optional[str] = None) -> str:
     if output and Path(output).is_dir():
         raise CheckpointError(f"consolidate --output {output!r} is a directory; give a file name "
                               f"such as {str(Path(output) / 'consolidated.ckpt')!r}")
-    checkpoint = consolidate_checkpoint(src)
+    shards = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    with Progress(f"consolidate: reading {src}", shards, fmt=human_size,
+                  done=partial(_bytes_read, since=_bytes_read())):
+        checkpoint = consolidate_checkpoint(src)
     dst = Path(output) if output else \
         src.with_name(f"consolidated-step{int(checkpoint.get('global_step', 0)):07d}.ckpt")
-    atomic_torch_save(checkpoint, dst)
+    # The file holds the shards' tensors: about their size. atomic_torch_save writes it under
+    # this temporary name and renames it when complete.
+    written = temporary_beside(dst)
+    with Progress(f"consolidate: writing {dst}", shards, fmt=human_size,
+                  done=lambda: written.stat().st_size if written.exists() else 0):
+        atomic_torch_save(checkpoint, dst)
     size = dst.stat().st_size
     print(f"{dst} ({size / 2**20:.1f} MB): one file, loads on one GPU or the CPU")
     return str(dst)
+
+
+def _bytes_read(since: Optional[int] = 0) -> Optional[int]:
+    """Bytes this process has read (Linux's ``/proc/self/io``) beyond ``since``; None elsewhere
+    or where ``since`` is None. torch's checkpoint reader reports nothing and is made inside
+    consolidate_checkpoint, so its reads are counted from outside."""
+    try:
+        with open("/proc/self/io") as f:
+            read = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None if since is None else read - since
+
+
+def val_loss_text(row: dict[str, Any]) -> str:
+    """The "val loss" cell: a number only where it was measured on this file's weights. A loss
+    from an earlier step (``last.ckpt`` is written after further training) is read as the file's
+    own wherever it stands alone, so it is shown as that step's."""
+    loss, val_step, step = row["val_loss"], row.get("val_step"), row["step"]
+    if loss is None:
+        return "-"
+    if val_step == step:
+        return f"{loss:.4f}"
+    if val_step is None:  # written by a version that did not record the step
+        return f"unknown ({loss:.4f} at an unrecorded step)"
+    return f"none at step {step} ({loss:.4f} was step {val_step}'s)"
 
 
 def format_checkpoints(rows: list[dict[str, Any]]) -> str:
@@ -44,9 +81,7 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append((r["file"], "-", "-", "-", f"UNREADABLE: {r['error']}", "-", human_size(r["size"])))
             continue
-        val = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
-        if r["val_loss"] is not None and r.get("val_step") != r["step"]:  # an older validation's
-            val += f" @step {'?' if r.get('val_step') is None else r['val_step']}"
+        val = val_loss_text(r)
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
         lines.append((r["file"], str(r["step"]), tokens, val, r["precision"], r["model"],
                       human_size(r["size"])))
@@ -59,11 +94,11 @@ def format_checkpoints(rows: list[dict[str, Any]]) -> str:
 def checkpoints(directory: str) -> None:
     """List the checkpoints in DIRECTORY: step, tokens seen, validation loss, precision, size.
 
-    The validation loss is the last one measured before the checkpoint was written. Where that
-    validation ran at an earlier step than the checkpoint's (``last.ckpt`` is written after
-    further training steps), the step it measured is shown with it: ``3.2100 @step 100`` (``@step
-    ?``: a checkpoint from a version that did not record it). Unreadable checkpoints are listed
-    with the reason.
+    The validation loss is shown where it was measured on the checkpoint's own weights. Where
+    the last validation before the checkpoint ran at an earlier step (``last.ckpt`` is written
+    after further training steps), the file has none of its own: ``none at step 120 (3.2100 was
+    step 100's)`` (``unknown (3.2100 at an unrecorded step)``: a checkpoint from a version that
+    did not record the step). Unreadable checkpoints are listed with the reason.
 
     Args:
         directory: a checkpoint directory (e.g. runs/quickstart/checkpoints), a run root that

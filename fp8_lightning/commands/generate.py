@@ -8,6 +8,8 @@ FP8, so any prompt length works).
 
 from __future__ import annotations
 
+import logging
+import shlex
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -17,6 +19,8 @@ import torch
 from ..checkpoint import consolidate_checkpoint, recorded_config
 from ..config import ConfigError
 from ..model import GPT
+
+log = logging.getLogger(__name__)
 
 
 def read_model_checkpoint(ckpt: str) -> dict[str, Any]:
@@ -71,11 +75,34 @@ def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
     return model.eval(), checkpoint, torch_device
 
 
+def other_tokenizer(passed: str, recorded: str, tok: Any, vocab_size: int
+                    ) -> Optional[tuple[str, str]]:
+    """(why, what to pass instead) where the tokenizer ``passed`` (loaded: ``tok``) is not
+    ``recorded``, the one the checkpoint was trained with; None where it is, or where nothing
+    here can tell."""
+    from ..tokenizer import tokenizer_key
+
+    if passed == recorded:
+        return None
+    key = tokenizer_key(recorded)
+    if key == "gpt2" or key.startswith("sha256:"):  # its files are here: compare the contents
+        if tokenizer_key(passed) == key:
+            return None
+        return ("its text would decode as garbage",
+                f"pass --tokenizer {shlex.quote(recorded)} or leave --tokenizer out")
+    # Its files are not on this machine (a copy of them is what --tokenizer is then for): only a
+    # vocabulary larger than the model's rules a tokenizer out.
+    if tok.vocab_size <= vocab_size:
+        return None
+    return (f"its {tok.vocab_size:,} tokens are more than the model's vocab_size={vocab_size}",
+            f"pass --tokenizer PATH to a copy of {recorded!r}, which is not here")
+
+
 def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature: float = 0.8,
              top_k: Optional[int] = 200, seed: int = 1337,
              device: Literal["auto", "cpu", "cuda"] = "auto",
              backend: Literal["auto", "te", "torch"] = "auto",
-             tokenizer: Optional[str] = None) -> str:
+             tokenizer: Optional[str] = None, force_tokenizer: bool = False) -> str:
     """Generate text from a checkpoint; returns (and the command prints) prompt + continuation.
 
     Args:
@@ -87,7 +114,10 @@ def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature
         seed: random seed.
         device: ``auto`` (CUDA if visible), ``cpu`` or ``cuda``.
         backend: ``auto`` (TE on a GPU with TE, else PyTorch), ``te`` or ``torch``.
-        tokenizer: ``gpt2`` or a tokenizer.json (default: the one the checkpoint was trained with).
+        tokenizer: ``gpt2`` or a tokenizer.json (default: the one the checkpoint was trained with;
+            another one is refused).
+        force_tokenizer: decode with ``tokenizer`` even where it is not the one the checkpoint
+            was trained with (a warning says so).
     """
     from ..tokenizer import get_tokenizer
 
@@ -115,6 +145,16 @@ def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature
                                f"cannot be loaded here ({detail}); pass --tokenizer PATH to that "
                                "tokenizer.json"], "generate") from None
         raise ConfigError([detail], "generate") from None
+    problem = other_tokenizer(tokenizer, recorded, tok, model.config.vocab_size) \
+        if tokenizer is not None and recorded else None
+    if problem and not force_tokenizer:
+        why, fix = problem
+        raise ConfigError([f"--tokenizer {tokenizer!r} is not the tokenizer this checkpoint was "
+                           f"trained with, {recorded!r} ({why}); {fix}, or add --force_tokenizer "
+                           f"true to decode with {tokenizer!r} anyway"], "generate")
+    if problem:
+        log.warning("decoding with --tokenizer %r because of --force_tokenizer, though the "
+                    "checkpoint was trained with %r: expect garbage", tokenizer, recorded)
     ids = tok.encode(prompt) if prompt else [tok.eot_id]
     if max(ids) >= model.config.vocab_size:
         raise ConfigError([f"tokenizer {name!r} produced id {max(ids)} but the model's vocab_size "

@@ -3,8 +3,8 @@ runs in its worker processes.
 
 A module of its own that imports no Lightning: the workers are spawned, and each one imports the
 module of the function it runs (and its package's ``__init__``, which imports nothing). Importing
-Lightning and the whole package there cost each worker about 10 s on a 2-core CPU, per split and
-per ``prepare``.
+Lightning and the whole package there cost each worker seconds on a small CPU, per split and per
+``prepare``.
 """
 
 from __future__ import annotations

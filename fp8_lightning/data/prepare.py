@@ -12,12 +12,13 @@ import shutil
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..checkpoint import publish_directory
+from ..checkpoint import human_size, publish_directory
 from ..config import ConfigError
+from ..progress import Progress, tallied, tally_of
 from ..tokenizer import get_tokenizer
 from .documents import _tokenize_split, iter_documents
 
@@ -59,13 +60,13 @@ def _split_counts(tokens: int, val_fraction: float) -> tuple[int, int]:
 
 
 def _scan_inputs(files: list[str], tok: Any, text_field: str, val_fraction: float,
-                 block: int) -> tuple[int, int, int]:
+                 block: int, scanned: Optional[list[str]] = None) -> tuple[int, int, int]:
     """Read every document once, in this process, before anything is written: a bad input is one
     error listing every file's first problem (not a failure in a litdata worker).
 
     Returns (documents, train tokens, val tokens). The tokens are counted until both splits surely
     hold a block (counts only grow with more text), so a large corpus is not tokenized twice; a
-    count below ``block`` is therefore exact."""
+    count below ``block`` is therefore exact. Each file read is appended to ``scanned``."""
     problems, documents, train, val = [], 0, 0, 0
     for path in files:
         tokens = 0
@@ -79,6 +80,8 @@ def _scan_inputs(files: list[str], tok: Any, text_field: str, val_fraction: floa
             problems += err.problems
         file_train, file_val = _split_counts(tokens, val_fraction)
         train, val = train + file_train, val + file_val
+        if scanned is not None:
+            scanned.append(path)
     if problems:
         raise ConfigError(problems, "prepare inputs")
     return documents, train, val
@@ -109,6 +112,14 @@ def _check_output_dir(out: Path) -> None:
         except OSError as err:
             raise ConfigError([f"{where}: cannot write in {directory} ({err.strerror}); choose "
                                "a writable location"], "prepare output") from None
+
+
+def _progress(what: str, sizes: dict[str, int], done_files: Callable[[], list[str]]) -> Progress:
+    """Progress lines for a pass over the input files: the bytes of the files ``done_files()``
+    lists of all the files' bytes (a file counts once it is done: the workers report no finer)."""
+    return Progress(what, sum(sizes.values()),
+                    lambda: sum(sizes.get(path, 0) for path in set(done_files())),
+                    say=rank_zero_info, fmt=human_size)
 
 
 def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gpt2", text_field: str = "text",
@@ -147,7 +158,11 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     out = Path(output_dir).expanduser().resolve()
     _check_output_dir(out)
     block = seq_len + 1
-    documents, train_tokens, val_tokens = _scan_inputs(files, tok, text_field, val_fraction, block)
+    sizes = {path: os.path.getsize(path) for path in files}
+    scanned: list[str] = []
+    with _progress("prepare: reading inputs", sizes, lambda: scanned):
+        documents, train_tokens, val_tokens = _scan_inputs(files, tok, text_field, val_fraction,
+                                                           block, scanned)
     problems = []
     if train_tokens < block:
         problems.append(f"the train split would have {train_tokens} tokens, fewer than one block of "
@@ -170,25 +185,35 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     tmp.mkdir(parents=True)  # (not mkdtemp: its 0700 would become the dataset's permissions)
     # litdata's optimize sets the process-wide start method (spawn) and leaves it so: every data
     # loader of the process would then spawn its workers, re-importing torch at each epoch (a
-    # 5-20 s stall per epoch on the GPU machine, the first fit after preparing the default data).
+    # stall per epoch, seen in the first fit after preparing the default data).
     start_method = multiprocessing.get_start_method(allow_none=True)
     try:
         for split in ("train", "val"):
             rank_zero_info(f"prepare: tokenizing {len(files)} file(s) -> {out / split}")
-            optimize(
-                fn=partial(_tokenize_split, split=split, tokenizer=tokenizer,
-                           text_field=text_field, val_fraction=val_fraction),
-                inputs=files, output_dir=str(tmp / split), chunk_size=block * BLOCKS_PER_CHUNK,
-                item_loader=TokensLoader(), num_workers=workers, mode="overwrite",
-                start_method="spawn" if workers > 1 else None,
-                # litdata's default hands files to whichever worker is free and names chunks by
-                # worker: each run ordered the same data differently. A fixed in-order slice per
-                # worker, files in sorted order (not by size), makes the shards reproducible.
-                keep_data_ordered=True, reorder_files=False,
-                # litdata's own chatter (an account advert, worker start/stop lines, the temporary
-                # directory, progress bars) says nothing a user acts on; its errors still raise.
-                verbose=False,
-            )
+            # Workers record each file they finish in `tally` (removed before the directory
+            # becomes the dataset); the progress lines count those files' bytes.
+            tally = str(tmp / f".{split}-done")
+            tokenize = partial(_tokenize_split, split=split, tokenizer=tokenizer,
+                               text_field=text_field, val_fraction=val_fraction)
+            with _progress(f"prepare: tokenizing {split}", sizes, partial(tally_of, tally)):
+                optimize(
+                    fn=partial(tallied, fn=tokenize, tally=tally),
+                    inputs=files, output_dir=str(tmp / split),
+                    chunk_size=block * BLOCKS_PER_CHUNK, item_loader=TokensLoader(),
+                    num_workers=workers, mode="overwrite",
+                    start_method="spawn" if workers > 1 else None,
+                    # litdata's default hands files to whichever worker is free and names chunks
+                    # by worker: each run ordered the same data differently. A fixed in-order
+                    # slice per worker, files in sorted order (not by size), makes the shards
+                    # reproducible.
+                    keep_data_ordered=True, reorder_files=False,
+                    # litdata's own chatter (an account advert, worker start/stop lines, the
+                    # temporary directory) says nothing a user acts on; its errors still raise.
+                    # Its progress bar comes only with that chatter and writes carriage returns
+                    # into a log file: the lines of _progress replace it.
+                    verbose=False,
+                )
+            Path(tally).unlink(missing_ok=True)
         train_tokens, train_chunks, train_blocks = _split_size(tmp / "train", block)
         val_tokens, val_chunks, val_blocks = _split_size(tmp / "val", block)
         # Each worker's last chunk drops its partial block: many workers on little data can

@@ -2,9 +2,9 @@
 and backwards (an activation checkpoint's recompute picks its backend again there).
 
 On the GPU image's PyTorch a user's eager model ran FlashAttention 2's kernels where the same
-model compiled ran cuDNN's: at nanoGPT 1.3B on an H100, 15.1 ms of attention a step against 9.8
-ms. Recent PyTorch builds put cuDNN first on Hopper themselves when their cuDNN is new enough;
-where the order already starts with cuDNN this changes nothing. Only an order: a call cuDNN
+model compiled ran cuDNN's, which spend less time on attention on Hopper (measured:
+docs/fp8.md). Recent PyTorch builds put cuDNN first on Hopper themselves when their cuDNN is new
+enough; where the order already starts with cuDNN this changes nothing. Only an order: a call cuDNN
 cannot serve takes the next backend, and the enabled backends stay as the user set them.
 """
 

@@ -35,8 +35,8 @@ class Engine:
         return None
 
     def speed_note(self, model: nn.Module, bf16_modules: dict[str, str]) -> Optional[str]:
-        """What FP8 from this engine measured against ``model``'s compiled BF16 where it gains
-        little or loses (logged as a warning), or None (``bf16_modules``: the layers the policy
+        """Where FP8 from this engine gains little over ``model``'s compiled BF16 or loses: why,
+        and what to try (logged as a warning), or None (``bf16_modules``: the layers the policy
         keeps BF16, which :meth:`convert` leaves)."""
         return None
 

@@ -29,8 +29,8 @@ def gpu_kernel_ms(fn: Any, reps: int) -> float:
     """GPU kernel time (ms) of one ``fn()`` call: the profiler's device time of ``reps`` calls.
 
     Not wall time: a lone small ``te.Linear`` call is dominated by TE's per-call CPU work, which
-    in a real training step overlaps the GPU work of the layers before it (measured: wall-time
-    probing predicted 0.69x for a model whose real FP8 step was 1.02x).
+    in a real training step overlaps the GPU work of the layers before it (wall-time probing
+    predicted FP8 a loss for a model whose real FP8 step gained: docs/tools.md).
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -99,8 +99,9 @@ class FP8PrecisionBase(FabricPrecision):
             graphs cast a block's FP8 weights only after a ``torch.optim`` optimizer step or an
             in-place write through a parameter (its version counter: a load), so the
             micro-batches of an accumulated step after the first reuse the cast (TE's FP8
-            weight caching; nanoGPT 1.3B, 8 micro-batches a step, H100: 1.25x -> 1.29x over
-            compiled BF16). This package's GPT graphs its blocks itself (``model.cuda_graphs``).
+            weight caching: fewer casts under gradient accumulation; measured:
+            docs/benchmarks.md, "Your own model under FP8Precision"). This package's GPT graphs
+            its blocks itself (``model.cuda_graphs``).
         cudnn_attention: a model this package did not build: the plugin's forwards and
             backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
             (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
@@ -117,9 +118,9 @@ class FP8PrecisionBase(FabricPrecision):
             backward, zero where a step skips its layer (so AdamW's decay and momentum move
             it, where a ``None`` gradient would leave it: set ``false`` for a model that skips
             layers, e.g. routed experts or LayerDrop); TE runs these layers eagerly under
-            ``torch.compile``. Default: on where it can run (measured 1.21x over compiled BF16
-            against 1.18x without, nanoGPT 1.3B on an H200), said in the log; ``false`` keeps
-            TE's BF16 weight gradients.
+            ``torch.compile``. Default: on where it can run (measured faster than without:
+            docs/benchmarks.md, "Your own model under FP8Precision"), said in the log;
+            ``false`` keeps TE's BF16 weight gradients.
         fuse_mlp: TE engine, a model this package did not build: each block's ``nn.LayerNorm ->
             nn.Linear -> GELU (tanh) -> nn.Linear`` whose outputs feed only the next call becomes
             one ``te.LayerNormMLP`` holding the same parameters (its GELU inside TE's cast
@@ -127,10 +128,9 @@ class FP8PrecisionBase(FabricPrecision):
             its forward with the four calls as one (:mod:`~fp8_lightning.fp8.mlp_fusion`).
             Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
             load, a state dict does. Default: on where a block has such a chain and the run has
-            one rank (nanoGPT 1.3B with 8 micro-batches a step on an H100: 1.25x over compiled
-            BF16 against 1.23x without, both before FP8 weight caching), said in the log; not
-            yet measured on several ranks, where ``true`` turns it on; ``false`` keeps the four
-            modules.
+            one rank (measured faster than the four modules on one GPU: docs/benchmarks.md,
+            "Your own model under FP8Precision"), said in the log; not yet measured on several
+            ranks, where ``true`` turns it on; ``false`` keeps the four modules.
         compile_blocks: with ``cuda_graphs``: each block's forward is captured
             ``torch.compile``'d, the calls of its TE layers left to TE by Dynamo (TE's compiled path
             needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
@@ -138,10 +138,9 @@ class FP8PrecisionBase(FabricPrecision):
             fuses; a compiled capture that fails falls back to the block's own forward, said in
             the log. Default: on where the blocks are graphed, the run has one rank and TE is
             2.20 or newer (older ones lack the capture's ``post_warmup_hook``) (a Hugging Face
-            Llama 1B with 8 micro-batches a step on an H100: TE 1.13x-1.15x over compiled BF16
-            before FP8 weight caching; its eager blocks had been slower than BF16 on an H200);
-            not yet measured on several ranks, where ``true`` turns it on; ``false``: the
-            blocks' own forward.
+            Llama's eager blocks left TE FP8 slower than compiled BF16, its compiled ones
+            faster: docs/benchmarks.md, "Your own model under FP8Precision"); not yet measured
+            on several ranks, where ``true`` turns it on; ``false``: the blocks' own forward.
     """
 
     def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",

@@ -42,8 +42,8 @@ RECIPES: dict[str, Recipe] = {
     "mxfp8": Recipe("te", "MXFP8BlockScaling", dict(fp8_format="e4m3", margin=0)),
     # torchao's float8 training recipes (Float8LinearConfig.from_recipe_name): dynamic scales
     # computed from each tensor as it is cast, so nothing to carry between steps.
-    # fp8_layers auto: torchao's size filter keeps GPT-2 124M's proj and fc2 BF16: 0.94x -> 0.98x
-    # of compiled BF16 on the H100, 0.95x -> 0.99x on the H200 (docs/benchmarks.md);
+    # fp8_layers auto: torchao's size filter keeps GPT-2 124M's proj and fc2 BF16, which
+    # measured closer to compiled BF16 than all-FP8 (docs/benchmarks.md, the two FP8 engines);
     # it passes every GEMM of the 1.3B. rowwise's filter would keep every GEMM of GPT-2 BF16.
     "tensorwise": Recipe("torchao", "tensorwise", {}, fp8_layers="auto"),
     "rowwise": Recipe("torchao", "rowwise", {}),

@@ -182,15 +182,17 @@ class TEEngine(Engine):
             return None
         return ("TE runs this model's nn.Linear layers as TE modules (te.Linear; with a LayerNorm "
                 "before one, or a LayerNorm -> Linear -> GELU -> Linear MLP, as one module): only "
-                "the GEMMs and the fused ops run FP8. With the plugin's defaults on one GPU "
-                "(blocks replayed as CUDA graphs of their torch.compile'd forward, cuDNN "
-                "attention, FP32 weight gradients, FP8 weights cast once per optimizer step) "
-                "measured about 1.29x the same model's compiled BF16 for a GPT of 1.3B and 1.15x "
-                "for a Hugging Face Llama of 1B, both with 8 micro-batches an optimizer step on "
-                "an H100; less with one (the optimizer's share grows, the weights are cast every "
-                "micro-batch), and where the blocks are not graphed their ops run eagerly "
-                "between the TE modules (engine='torchao' compiles the whole model: 1.12x on "
-                "that Llama); see docs/benchmarks.md, 'Your own model under FP8Precision'")
+                "the GEMMs and the fused ops run FP8, so FP8 gains less over the same model's "
+                "compiled BF16 than on this package's GPT, and may gain nothing. To get the most "
+                "of it, keep the plugin's defaults on one GPU (cuda_graphs, compile_blocks, "
+                "cudnn_attention, fuse_wgrad_accumulation, fuse_mlp: the blocks replayed as CUDA "
+                "graphs of their torch.compile'd forward, cuDNN attention, FP32 weight gradients) "
+                "and accumulate several micro-batches per optimizer step (the FP8 weights are "
+                "then cast once per optimizer step, and the optimizer's share of the step "
+                "shrinks). Where the blocks are not graphed their ops run eagerly between the TE "
+                "modules: try the torchao engine there (engine='torchao' compiles the whole "
+                "model), and compare both with the model's compiled BF16 before a long run; see "
+                "docs/benchmarks.md, 'Your own model under FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:

@@ -2,8 +2,8 @@
 
 A swapped ``te.Linear`` computes its weight gradient in BF16; autograd then converts it into the
 FP32 parameter's ``.grad``, one conversion kernel per weight a step, and a block replayed as a CUDA
-graph copies it out of the graph's static buffer as well (nanoGPT 1.3B on an H100: 339
-conversions, 8.8 ms, and 339 copies, 5.8 ms, a step). With TE's ``fuse_wgrad_accumulation`` the
+graph copies it out of the graph's static buffer as well (measured: docs/benchmarks.md, "Your
+own model under FP8Precision"). With TE's ``fuse_wgrad_accumulation`` the
 weight-gradient GEMM accumulates in FP32 into ``weight.main_grad`` and hands autograd nothing;
 :class:`FusedWgrad` keeps that buffer as the weight's ``.grad``, which PyTorch's optimizers and
 gradient clipping read (Megatron's DDP does the same with buffers of its own).

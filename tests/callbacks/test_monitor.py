@@ -134,3 +134,30 @@ def test_gradient_accumulation_and_fp8_stats_gate_on_cpu(tmp_path, caplog):
     assert module.tokens_seen == 4 * 2 * 4 * 32
     assert "FP8 stats off: FP8 cannot run here" in caplog.text
     assert not stats.enabled and stats.logged_steps == []
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_a_compiled_runs_first_step_says_it_is_compiling_until_it_ends(tmp_path, capsys,
+                                                                        monkeypatch, compile):
+    """While the first step of a compiled run compiles, a line every few seconds says so (and
+    none after it); an eager run prints none."""
+    from fp8_lightning import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.2)
+    monitor = M.TrainingMonitor(log_every=2, sample_prompt=None)
+    module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=32,
+                                                 vocab_size=VOCAB), warmup_steps=1,
+                                compile=compile)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(module, torch.utils.data.DataLoader(Tokens(), batch_size=4))
+    lines = capsys.readouterr().out.splitlines()
+    ticks = [i for i, line in enumerate(lines) if line.startswith("first training step: ")]
+    first = next(i for i, line in enumerate(lines) if line.startswith("step 2 |"))
+    if compile:
+        assert module.compiled and ticks, lines
+        assert all(re.fullmatch(r"first training step: compiling, \d+s so far", lines[i])
+                   for i in ticks) and max(ticks) < first, lines
+    else:
+        assert not ticks, lines

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,27 @@ def test_bench_writes_under_runs_by_default(tmp_path, monkeypatch):
     bench(QUICKSTART, variants="torch-eager", steps=1, warmup=1, batch_size=1, seq_len=32, n_layer=1)
     assert (tmp_path / "runs" / "bench" / "bench.json").exists()
     assert not (tmp_path / "bench_out").exists()
+
+
+def test_bench_on_a_cpu_says_up_front_what_it_cannot_measure_and_shows_progress(
+        tmp_path, caplog, monkeypatch):
+    """On a CPU: one line first saying FP8 cannot run here and what will be timed (torch-compile
+    left out of the defaults: compiling takes minutes there), then progress lines with the steps
+    done and the time left while a variant runs."""
+    import logging
+
+    from fp8_lightning import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.01)  # a line at every poll of a fast variant
+    caplog.set_level(logging.INFO, logger="fp8_lightning")
+    report = bench(QUICKSTART, steps=3, warmup=2, batch_size=1, seq_len=32, n_layer=1,
+                   output_dir=str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8_lightning.commands.bench"]
+    assert lines[0].startswith("bench on a CPU: FP8 cannot run here, so nothing timed here tells "
+                               "what FP8 buys on a GPU"), lines
+    assert "1 variant(s) to time (torch-eager), each 2 warm-up + 3 timed steps" in lines[0]
+    assert "torch-compile" not in [r["variant"] for r in report["results"]]
+    assert [r["variant"] for r in report["results"] if r["status"] == "ran"] == ["torch-eager"]
+    ticks = [line for line in lines if line.startswith("bench torch-eager, steps: ")]
+    assert ticks, lines
+    assert all(re.search(r"steps: (\d+ of 5 \(\d+%\)|5), \S+ so far", t) for t in ticks), ticks

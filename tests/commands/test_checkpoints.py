@@ -11,10 +11,9 @@ import torch
 
 from fp8_lightning.checkpoint import list_checkpoints, load_checkpoint_file
 from fp8_lightning.cli import main
-from fp8_lightning.commands.checkpoints import format_checkpoints
 from tests._runs import ROOT, fit_error
 from tests._runs import run_cli
-from tests.helpers import FALLBACK
+from tests.helpers import FALLBACK, small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +56,9 @@ def test_checkpoints_command_lists_step_tokens_loss_precision_size(short_run, ca
     out = capsys.readouterr().out
     last = next(line for line in out.splitlines() if line.startswith("last.ckpt"))
     assert "10" in last and "5,120" in last and FALLBACK in last and "tiny" in last
-    assert re.search(r"\d\.\d{4} @step 8 ", last)  # the val loss of step 8, not of step 10
+    assert re.search(r" none at step 10 \(\d\.\d{4} was step 8's\) ", last)  # not step 10's
     best = next(line for line in out.splitlines() if line.startswith("best-"))
-    assert re.search(r"\d\.\d{4} ", best) and "@step" not in best  # measured on its own weights
+    assert re.search(r" \d\.\d{4} ", best) and "was step" not in best  # its own weights'
     assert "MB" in last or "KB" in last
     assert "broken.ckpt" in out and "UNREADABLE: truncated or corrupt" in out
     rows = list_checkpoints(str(short_run))
@@ -87,10 +86,72 @@ def test_bad_checkpoints_give_one_clear_error(short_run, small_vocab, tmp_path, 
     assert "model.config.n_layer=3 but the checkpoint was trained with n_layer=2" in message
 
 
-def test_checkpoints_shows_a_val_loss_measured_at_an_earlier_step_with_that_step():
-    row = {"file": "last.ckpt", "step": 120, "tokens": 1, "val_loss": 3.21, "precision": "bf16",
-           "model": "tiny", "size": 1}
-    assert " 3.2100 @step 100 " in format_checkpoints([dict(row, val_step=100)])
-    assert " 3.2100 " in format_checkpoints([dict(row, val_step=120)])
-    assert "@step" not in format_checkpoints([dict(row, val_step=120)])
-    assert " 3.2100 @step ? " in format_checkpoints([dict(row, val_step=None)])  # older version
+def test_checkpoints_shows_a_loss_as_the_files_own_only_where_it_was_measured_at_its_step(
+        tmp_path, capsys):
+    """last.ckpt written at step 300 after a validation at step 200 has no loss of its own: the
+    listing says so before it shows step 200's, which a bare number would pass off as its own."""
+    small_checkpoint(tmp_path / "best-step0000200.ckpt", step=200, val_loss=5.8629, val_step=200)
+    small_checkpoint(tmp_path / "last.ckpt", step=300, val_loss=5.8629, val_step=200)
+    small_checkpoint(tmp_path / "old.ckpt", step=100, val_loss=6.1, val_step=None)
+    small_checkpoint(tmp_path / "step-0000050.ckpt", step=50)
+    main(["checkpoints", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("file"))
+    column = header.index("val loss")
+
+    def val_loss(name):  # the "val loss" cell of the file's row
+        line = next(line for line in lines if line.startswith(name))
+        return line[column:header.index("precision")].strip()
+
+    assert val_loss("best-step0000200.ckpt") == "5.8629"
+    assert val_loss("last.ckpt") == "none at step 300 (5.8629 was step 200's)"
+    assert val_loss("old.ckpt") == "unknown (6.1000 at an unrecorded step)"  # an older version's
+    assert val_loss("step-0000050.ckpt") == "-"  # no validation before it
+
+
+def sharded_of_size(path, megabytes):
+    """A sharded checkpoint (DCP shards and Lightning's meta.pt) of about ``megabytes`` MB."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, on purpose
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": {f"model.w{i}": torch.randn(512, 512) for i in range(megabytes)}},
+                 checkpoint_id=path, no_dist=True)
+    torch.save({"pytorch-lightning_version": "2.6.0", "global_step": 7}, path / "meta.pt")
+    return path
+
+
+def test_consolidate_prints_the_bytes_read_and_written_of_the_total_while_it_works(
+        tmp_path, capsys, monkeypatch):
+    from fp8_lightning import progress
+    from fp8_lightning.checkpoint import human_size
+
+    src = sharded_of_size(tmp_path / "last.ckpt", 64)
+    total = human_size(sum(f.stat().st_size for f in src.iterdir()))
+    monkeypatch.setattr(progress, "EVERY_S", 0.005)  # a line every 5 ms: each phase takes longer
+    main(["consolidate", str(src), str(tmp_path / "one.ckpt")])
+    lines = capsys.readouterr().out.splitlines()
+    amount = rf"[\d.]+ [KMG]?B of {total} \(\d+%\), \d+s so far(, about \d+s left|, finishing)?"
+    reading = [line for line in lines if line.startswith(f"consolidate: reading {src}: ")]
+    writing = [line for line in lines
+               if line.startswith(f"consolidate: writing {tmp_path / 'one.ckpt'}: ")]
+    assert reading and all(re.fullmatch(rf"consolidate: reading {src}: {amount}", line)
+                           for line in reading), lines
+    assert writing and all(re.fullmatch(rf"consolidate: writing \S+: {amount}", line)
+                           for line in writing), lines
+    for phase in (reading, writing):  # done only grows (the written file is renamed at its end)
+        shares = [int(re.search(r"\((\d+)%\)", line)[1]) for line in phase]
+        assert shares == sorted(shares), phase
+    assert lines.index(reading[-1]) < lines.index(writing[0])  # reads all, then writes
+    assert lines[-1].startswith(f"{tmp_path / 'one.ckpt'} (") and len(lines) == \
+        len(reading) + len(writing) + 1  # then its one closing line
+
+
+def test_consolidate_of_a_small_checkpoint_prints_only_its_closing_line(tmp_path, capsys):
+    src = sharded_of_size(tmp_path / "last.ckpt", 1)
+    main(["consolidate", str(src)])  # the default interval: longer than this takes
+    out = capsys.readouterr().out
+    assert out == (f"{tmp_path / 'consolidated-step0000007.ckpt'} (1.0 MB): one file, loads on "
+                   "one GPU or the CPU\n")

@@ -4,6 +4,7 @@ reproducible across workers, and every bad input one error before anything is wr
 import json
 import multiprocessing
 import os
+import re
 
 import pytest
 
@@ -224,3 +225,27 @@ def test_prepare_command_prints_one_error_and_exits_2(tmp_path, capsys, dataset)
                         "--output_dir", str(dataset), "--tokenizer", str(tmp_path / "tok.json"))
     assert "tokenizer=" in message and "no such file" in message, message
     assert snapshot(dataset) == before
+
+
+def test_prepare_prints_progress_lines_with_the_bytes_done_of_the_total(tmp_path, monkeypatch):
+    from fp8_lightning import progress
+    from fp8_lightning.checkpoint import human_size
+
+    for name, text in (("a.txt", TEXT_A), ("b.txt", TEXT_B)):
+        (tmp_path / name).write_text(text)
+    total = human_size((tmp_path / "a.txt").stat().st_size + (tmp_path / "b.txt").stat().st_size)
+    lines = []
+    monkeypatch.setattr(prepare_module, "rank_zero_info", lines.append)
+    monkeypatch.setattr(progress, "EVERY_S", 0.05)  # a line every 50 ms: the run takes seconds
+    prepare([str(tmp_path / "*.txt")], str(tmp_path / "ds"), seq_len=16, val_fraction=0.2,
+            num_workers=1)
+    for split in ("train", "val"):
+        mine = [line for line in lines if line.startswith(f"prepare: tokenizing {split}: ")]
+        assert mine, lines
+        assert all(re.fullmatch(rf"prepare: tokenizing {split}: [\d.]+ K?B of {total} \(\d+%\), "
+                                r"\d+s so far(, about \d+s left|, finishing)?", line)
+                   for line in mine), mine
+        shares = [int(re.search(r"\((\d+)%\)", line)[1]) for line in mine]
+        assert shares == sorted(shares) and shares[-1] == 100, mine  # done grows to the total
+    # The workers' record of finished files is not part of the dataset.
+    assert sorted(os.listdir(tmp_path / "ds")) == ["meta.json", "train", "val"]
