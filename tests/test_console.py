@@ -105,21 +105,3 @@ def test_a_resumed_fit_says_how_many_steps_it_ran(tmp_path_factory, tmp_path):
     assert re.search(r"^done: step 12 \(2 in this run\), [\d,]+ tokens seen; ", out, re.M), \
         out[-1500:]
     assert "--trainer.max_steps 24 --model.lr_decay_steps 10" in out
-
-
-def test_warnings_read_as_sentences_without_a_source_path(tmp_path_factory, tmp_path):
-    """A fit resumed at its last step trains nothing: the warning says so and what to pass, as
-    one sentence after `WARNING:`, not after a path into the package's source."""
-    run_dir, _ = small_vocab_fit(tmp_path_factory)
-    import shutil
-
-    shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab(tmp_path_factory),
-                     "--trainer.max_steps", "10", "--trainer.limit_val_batches", "0",
-                     "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last")
-    assert result.returncode == 0, result.stderr[-2000:]
-    err = plain(result.stderr)
-    assert re.search(r"^WARNING: the checkpoint is at step 10 and trainer\.max_steps=10: nothing "
-                     r"left to train\. To continue, raise it, e\.g\. --trainer\.max_steps 20", err,
-                     re.M), err[-2000:]
-    assert not re.search(r"\.py:\d+: ", err), err[-2000:]  # no warning starts with file:line

@@ -95,6 +95,30 @@ def test_fsdp2_layout_follows_the_settings_and_the_memory_estimate():
     assert "12 blocks in 1 unit(s)" in fsdp2_layout(gpt2, None, None, True)[2]
 
 
+def test_the_fsdp2_plan_per_model_size_and_engine(monkeypatch):
+    """What FSDP2 does with each model the package ships, decided before the first step: units
+    of about UNIT_PARAMS (the 3B-class preset: 2 blocks a unit), the PyTorch backend's blocks
+    compiled one by one before sharding (BF16 and torchao) while TE's blocks stay eager with
+    only the loss compiled, and float8 all-gather where the engine has it (torchao tensorwise)."""
+    from fp8_lightning import fast_path
+    from fp8_lightning.config import GPTConfig
+    from fp8_lightning.distributed import fsdp2_layout
+    from fp8_lightning.fp8 import FP8Precision
+    from fp8_lightning.model import GPT
+
+    monkeypatch.setattr(fast_path, "compile_status", lambda device: (True, "works"))
+    with torch.device("meta"):
+        models = {name: GPT(GPTConfig.from_name(name), backend="torch")
+                  for name in ("gpt2", "gpt-1.3b", "llama3.2-3b", "llama3-8b")}
+    per_unit = {name: fsdp2_layout(gpt, None, None, False)[1] for name, gpt in models.items()}
+    assert per_unit == {"gpt2": 12, "gpt-1.3b": 4, "llama3.2-3b": 2, "llama3-8b": 1}
+    for backend, per_block, regions in (("torch", True, True), ("te", False, False)):
+        path = fast_path.plan_compile(None, "cuda", backend, sharded=True)
+        assert path.compile and path.per_block == per_block and path.regions == regions
+    assert FP8Precision(recipe="tensorwise").gathers_float8
+    assert not any(FP8Precision(recipe=r).gathers_float8 for r in ("delayed", "rowwise", "current"))
+
+
 def test_fsdp2_on_a_run_that_fits_one_gpu_says_ddp_is_faster():
     """The FSDP2 strategy's advice: DDP where the memory estimate says the run fits one GPU
     unsharded; nothing where it does not, or where nothing was estimated (no GPU)."""

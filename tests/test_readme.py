@@ -450,7 +450,7 @@ def kind_of(line: str) -> tuple[str, re.Match]:
     raise AssertionError(f"the README shows a line no quickstart prints: {line!r}")
 
 
-def test_the_readmes_quickstart_output_is_what_the_quickstart_prints(tmp_path):
+def test_the_readmes_quickstart_output_is_what_the_quickstart_prints(tmp_path, capsys, at_root):
     """The README's quickstart output cannot go stale: every line has the shape of a line the
     run prints, and what a short run can reproduce agrees with it: its first logged step (loss,
     learning rate, precision), the tokens of 300 steps, the continue line's numbers, and the
@@ -472,16 +472,12 @@ def test_the_readmes_quickstart_output_is_what_the_quickstart_prints(tmp_path):
     assert prose and float(prose[1]) == round(float(done[5]), 2), (prose, done[5])
 
     # The run's first logged step, as a user's quickstart makes it (10 steps of the same run).
-    result = subprocess.run(
-        [sys.executable, "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
-         "--trainer.max_steps", "10", "--model.lr_decay_steps", str(max_steps),
-         "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-         "--trainer.default_root_dir", str(tmp_path)],
-        cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ran = [kind_of(line) for line in result.stdout.splitlines() + result.stderr.splitlines()
-           if re.fullmatch(QUICKSTART_LINES["step"], line)
-           or line.startswith("precision: ")]
+    code, out, err = run_main(capsys, [
+        "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "10",
+        "--model.lr_decay_steps", str(max_steps), "--trainer.limit_val_batches", "0",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)])
+    assert code == 0, err[-3000:]
+    ran = [kind_of(line) for line in out.splitlines() if re.fullmatch(QUICKSTART_LINES["step"], line)]
     ran_step = next(m for k, m in ran if k == "step" and m[1] == "10")
     shown_step = next(m for k, m in shown if k == "step" and m[1] == "10")
     assert ran_step[3] == shown_step[3]  # the learning rate: the schedule, exactly
