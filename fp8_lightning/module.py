@@ -81,9 +81,9 @@ class GPTLightningModule(L.LightningModule):
             where that is measured to win: the TE backend on one GPU (the stack as one graph)
             and under DDP (a graph per block, DDP's all-reduce between them), or the PyTorch
             backend on one GPU with the torchao engine's float8 GEMMs (in BF16 they gained
-            nothing measurable, so BF16 on the PyTorch backend stays without). FSDP2, FP8Stats, activation
-            checkpointing and, on the PyTorch backend, gradient accumulation and DDP run
-            without.
+            nothing measurable, so BF16 on the PyTorch backend stays without). FSDP2,
+            FP8Stats, activation checkpointing and, on the PyTorch backend, gradient
+            accumulation and DDP run without.
         compile: ``torch.compile`` the model for training (parameter names unchanged; see
             :func:`~fp8_lightning.model.compile_model`). Default: on a GPU where it works, one
             or several (DDP, FSDP2); off on a CPU (compilation costs more than a short CPU run
@@ -447,11 +447,12 @@ class GPTLightningModule(L.LightningModule):
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on
         # a run's or an epoch's last step, not on the others, whose value the loggers discard:
-        # each self.log costs host time a host-bound step cannot spare. So ``callback_metrics["train/loss"]`` is at most
-        # log_every_n_steps - 1 steps old. Not on the progress bar: the bar reads it every step,
-        # a host sync (TrainingMonitor prints the loss instead). The condition is the one Lightning
-        # writes to the loggers by (its private _LoggerConnector.should_update_logs), plus the
-        # last steps, so that callback_metrics ends on the run's final loss.
+        # each self.log costs host time a host-bound step cannot spare. So
+        # ``callback_metrics["train/loss"]`` is at most log_every_n_steps - 1 steps old. Not on
+        # the progress bar: the bar reads it every step, a host sync (TrainingMonitor prints the
+        # loss instead). The condition is the one Lightning writes to the loggers by (its private
+        # _LoggerConnector.should_update_logs), plus the last steps, so that callback_metrics
+        # ends on the run's final loss.
         trainer = self.trainer
         step = trainer.global_step + 1  # the step this batch completes
         if (step % max(1, trainer.log_every_n_steps) == 0 or step == trainer.max_steps

@@ -2,9 +2,10 @@
 about how long is left, e.g. ``prepare: tokenizing train: 1.2 GB of 4.8 GB (25%), 1m10s so far,
 about 3m30s left``.
 
-One helper shared by ``prepare`` and ``consolidate``: both wait on work that reports nothing while
-it runs (litdata's worker processes; torch's checkpoint reader and writer), so a background thread
-asks how much is done and prints plain lines, as readable in a log file as on a terminal.
+One helper shared by ``prepare``, ``consolidate``, ``bench`` and the monitor's first compiled step:
+each waits on work that reports nothing while it runs (litdata's worker processes, torch's
+checkpoint reader and writer, a variant's steps, a compilation), so a background thread asks how
+much is done and prints plain lines, as readable in a log file as on a terminal.
 
 Imports nothing heavy: prepare's spawned litdata workers import :func:`tallied` from here.
 """
@@ -35,10 +36,13 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def progress_line(what: str, done: Optional[float], total: float, elapsed: float,
+def progress_line(what: str, done: Optional[float], total: Optional[float], elapsed: float,
                   fmt: Callable[[float], str] = lambda n: f"{n:,.0f}") -> str:
     """``WHAT: DONE of TOTAL (P%), ELAPSED so far, about ETA left``: no estimate before anything
-    is done, ``finishing`` once all is; only the total and the time where ``done`` is None."""
+    is done, ``finishing`` once all is; only the total and the time where ``done`` is None; only
+    the time where there is no amount at all (``total`` None)."""
+    if total is None:
+        return f"{what}, {duration(elapsed)} so far"
     if done is None:
         return f"{what}: {fmt(total)}, {duration(elapsed)} so far"
     done = min(max(done, 0), total)  # measured from outside: may overshoot its estimated total
@@ -53,10 +57,11 @@ def progress_line(what: str, done: Optional[float], total: float, elapsed: float
 class Progress:
     """``with Progress(what, total, done):`` prints :func:`progress_line` every ``every`` seconds
     (default :data:`EVERY_S`) until the block ends; ``done()`` says how much is done (a line never
-    shows less than an earlier one), or None when it cannot tell. Nothing is printed for a block
-    shorter than ``every``."""
+    shows less than an earlier one), or None when it cannot tell; ``total`` None: work with no
+    amount to count, the time alone. Nothing is printed for a block shorter than ``every``."""
 
-    def __init__(self, what: str, total: float, done: Callable[[], Optional[float]], *,
+    def __init__(self, what: str, total: Optional[float] = None,
+                 done: Callable[[], Optional[float]] = lambda: None, *,
                  say: Callable[[str], Any] = print, every: Optional[float] = None,
                  fmt: Callable[[float], str] = lambda n: f"{n:,.0f}") -> None:
         self.what, self.total, self.done, self.say, self.fmt = what, total, done, say, fmt

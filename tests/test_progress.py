@@ -27,6 +27,9 @@ def test_a_progress_line_says_done_of_total_the_share_the_time_so_far_and_the_ti
     assert progress_line("w", 100, 100, 5) == "w: 100 of 100 (100%), 5s so far, finishing"
     assert progress_line("w", 130, 100, 5) == "w: 100 of 100 (100%), 5s so far, finishing"
     assert progress_line("w", None, 100, 5) == "w: 100, 5s so far"  # the amount is unknown
+    # work with no amount to count (a compilation): the time alone
+    assert progress_line("first training step: compiling", None, None, 12) == \
+        "first training step: compiling, 12s so far"
     assert progress_line("w", 2 ** 20, 2 ** 22, 90, fmt=lambda n: f"{n / 2 ** 20:.1f} MB") == \
         "w: 1.0 MB of 4.0 MB (25%), 1m30s so far, about 4m30s left"
 

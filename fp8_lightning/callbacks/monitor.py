@@ -246,9 +246,8 @@ class TrainingMonitor(Callback):
         # a line every few seconds says it is working, not stuck.
         first, self._batches = self._batches == 0, self._batches + 1
         if first and self.console and getattr(pl_module, "compiled", None):
-            self._first_step = Progress("first training step", 0, lambda: None,
-                                        say=lambda line: console_print(trainer, line),
-                                        fmt=lambda _: "compiling")
+            self._first_step = Progress("first training step: compiling",
+                                        say=lambda line: console_print(trainer, line))
             self._first_step.__enter__()
 
     def _first_step_done(self) -> None:
