@@ -272,10 +272,10 @@ def ddp_is_faster(fits_one_gpu: Optional[bool]) -> Optional[str]:
     """Why DDP would train this FSDP2 run faster, where the run fits one GPU unsharded."""
     if not fits_one_gpu:
         return None
-    # Measured for GPT-2 124M and 1.3B on both engines (docs/benchmarks.md, "Several GPUs").
-    return ("FSDP2: this run fits one GPU unsharded, where DDP (configs/ddp.yaml) trains faster "
-            "(FSDP2 gathers the weights in Python hooks at every step and its blocks run without "
-            "CUDA graphs: docs/several-gpus.md); FSDP2 pays where the model does not fit")
+    # (docs/benchmarks.md, "Several GPUs", has both layouts side by side)
+    return ("FSDP2: this run fits one GPU unsharded, where DDP (configs/ddp.yaml) gathers no "
+            "weights at any step and is usually faster (docs/several-gpus.md); FSDP2 pays where "
+            "the model does not fit")
 
 
 def build_device(module: Any, device: torch.device) -> Optional[torch.device]:

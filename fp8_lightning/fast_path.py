@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from .graphs import graphs_status
 
-Graphs = Literal["blocks", "per-block", "inductor"]
+Graphs = Literal["blocks", "per-block", "inductor", "step"]
 
 
 def compile_status(device_type: str) -> tuple[bool, str]:
@@ -55,8 +55,10 @@ class FastPath:
         graphs: ``"blocks"`` (TE: the block stack as one CUDA graph), ``"per-block"`` (under
             DDP: one graph per block, so each block's all-reduce overlaps the next backward; on
             the PyTorch backend each block compiled, then captured), ``"inductor"`` (PyTorch
-            backend, one GPU: the compiled model in Inductor's CUDA graphs), or None: no graphs
-            (not decided yet, or off).
+            backend, one GPU: the compiled model in Inductor's CUDA graphs), ``"step"`` (TE under
+            FSDP2: a micro-batch's whole forward and backward as one graph, FSDP2's collectives
+            inside it, :mod:`fp8_lightning.step_graph`), or None: no graphs (not decided yet, or
+            off).
         graphs_why: why (not), once decided.
     """
 
@@ -85,9 +87,9 @@ def plan_compile(wanted: Optional[bool], device_type: str, backend: str = "torch
 
     Default: on a GPU where ``torch.compile`` works; off on a CPU (compiling costs a short CPU
     run more than it saves). Under FSDP2 the PyTorch backend compiles each block on its own
-    before sharding (``per_block``); the TE blocks run eagerly there (no CUDA graphs under
-    FSDP2), and their compiled regions made the step slower than eager ones
-    (docs/benchmarks.md): by default only the loss is compiled there.
+    before sharding (``per_block``); on TE only the loss is compiled by default, the blocks
+    replayed uncompiled inside the step's CUDA graph (``"step"``: their compiled regions have
+    not been measured there; eager, without the graph, they made the step slower).
     """
     ok, why = compile_status(device_type)
     te_under_fsdp2 = backend == "te" and sharded
@@ -98,7 +100,8 @@ def plan_compile(wanted: Optional[bool], device_type: str, backend: str = "torch
             why = ("compilation costs a short CPU run more than it saves; model.compile: true to "
                    "compile")
         elif on and te_under_fsdp2:
-            why = "under FSDP2 the TE blocks run faster eager"
+            why = ("under FSDP2 the TE blocks run uncompiled in the step's CUDA graph "
+                   "(model.compile: true compiles their regions too)")
         return FastPath(on, why, regions=not te_under_fsdp2, per_block=per_block)
     if wanted and not ok:
         return FastPath(False, f"model.compile=true but {why}; training eagerly")
@@ -113,19 +116,23 @@ def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, bac
     """``model.cuda_graphs`` (None: wherever they run) for a run of this shape: ``path`` with
     its graphs decided. ``runs_float8``: the PyTorch backend's layers run torchao float8."""
     ok, why = graphs_status(device_type, world_size, callbacks, sharded)
-    if ok and backend != "te":
+    if ok and sharded and backend != "te":
+        # (not measured: under FSDP2 its compiled blocks kept the GPU's launch queue full)
+        ok, why = False, "under FSDP2 only the TE backend's step is captured"
+    elif ok and backend != "te":
         ok, why = _inductor_graphs_status(path, wanted, world_size, accumulate_grad_batches,
                                           runs_float8)
-    if ok and activation_checkpointing != "none":
+    if ok and activation_checkpointing != "none" and not sharded:
+        # (a block's graph; the whole step's graph holds the recompute as it holds the backward)
         ok, why = False, ("activation checkpointing runs a block's forward again inside the "
-                          "backward, which a captured graph does not")
+                          "backward, which a block's captured graph does not")
     if wanted is False:
         return replace(path, graphs=None, graphs_why="model.cuda_graphs: false")
     if not ok:
         return replace(path, graphs=None,
                        graphs_why=f"model.cuda_graphs=true but {why}" if wanted else why)
-    kind: Graphs = ("per-block" if world_size > 1 else "inductor" if backend != "te"
-                    else "blocks")
+    kind: Graphs = ("step" if sharded else "per-block" if world_size > 1
+                    else "inductor" if backend != "te" else "blocks")
     return replace(path, graphs=kind, graphs_why=why)
 
 
@@ -155,4 +162,5 @@ def _inductor_graphs_status(path: FastPath, wanted: Optional[bool], world_size: 
 
 GRAPHS_HOW = {"blocks": "the blocks (TE make_graphed_callables)",
               "per-block": "a graph per block (make_graphed_callables)",
-              "inductor": "the compiled model (torch.compile mode reduce-overhead)"}
+              "inductor": "the compiled model (torch.compile mode reduce-overhead)",
+              "step": "the step's forward and backward as one graph (FSDP2's collectives in it)"}

@@ -284,13 +284,11 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),
     the PyTorch backend's compiled model (which has conditions of its own besides)."""
     if device_type != "cuda":
         return False, "CUDA graphs need a GPU"
-    if sharded:  # FSDP2 gathers each block's weights in Python hooks into storage it frees and
-        # reallocates, which a replay would not see; and capturing a block ran its forward before
-        # the root's, which FSDP2 then refused ("FSDP state has already been lazily initialized
-        # for blocks.0")
-        return False, "FSDP2's hooks run in Python, outside a replay"
     if any(type(c).__name__ == "FP8Stats" for c in callbacks):
         return False, "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
+    if sharded:  # FSDP2 gathers a block's weights into storage it frees and allocates again,
+        # where a block's own replay would not see them: the whole step is one graph there
+        return True, "FSDP2, the whole step as one graph (fp8_lightning/step_graph.py)"
     # DDP: its all-reduce runs in autograd hooks after each captured block's backward
     return True, "one GPU" if world_size == 1 else "DDP, a graph per block"
 

@@ -169,6 +169,8 @@ class GPTLightningModule(L.LightningModule):
         self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
         self._compile_checked = False  # a training step has run compiled
         self._graphs: Any = None  # BlockGraphs once captured
+        self._step_graph: Any = None  # StepGraph under FSDP2 (fast path "step")
+        self._backward_done = False  # the training step ran this micro-batch's backward
         self._cudagraphed = False  # the PyTorch backend compiled with CUDA graphs
         # The parameters and whether the clip folds into the optimizer, looked up at a run's
         # first step rather than every step: ``self.parameters()`` walks every submodule, twice
@@ -330,6 +332,11 @@ class GPTLightningModule(L.LightningModule):
                                           "off" if wanted is False else f"off ({path.graphs_why})"))
         self.fast_path = path
         self._compile_checked = False  # each fit checks its first compiled step
+        plugin = fp8_plugin(trainer) if trainer is not None else None
+        if plugin is not None:
+            # a whole-step graph must hold the autocast's exit (TE's amax reduction): the step
+            # opens it around its own forward, not the plugin around the training step
+            plugin.step_owns_autocast = path.graphs == "step"
         if self.model is None:
             return path
         torch_per_block = self.backend_name != "te" and path.graphs == "per-block"
@@ -356,6 +363,9 @@ class GPTLightningModule(L.LightningModule):
         graphs, self._graphs = self._graphs, None
         if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
             graphs.release()
+        if self._step_graph is not None:
+            self._step_graph.remove()
+            self._step_graph = None
 
     @property
     def graphed(self) -> Optional[str]:
@@ -364,6 +374,9 @@ class GPTLightningModule(L.LightningModule):
         fallback; the PyTorch backend's graphs replay either, each captured once)."""
         if self._cudagraphed:
             return "FP8" if runs_float8(self.model) else "BF16"
+        if self._step_graph is not None:
+            key = self._step_graph.replaying
+            return None if key is None else "FP8" if key[-1] else "BF16"
         graphs = self._graphs
         if graphs is None or not graphs.active:
             return None
@@ -441,9 +454,43 @@ class GPTLightningModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def step_with_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The fast path ``"step"`` (under FSDP2): forward and backward of a micro-batch in one
+        CUDA graph (:mod:`fp8_lightning.step_graph`), the forward in the precision plugin's
+        autocast; :meth:`backward` then has nothing left to do. The loss, and the tokens."""
+        from .step_graph import StepGraph
+
+        trainer = self.trainer
+        precision = trainer.precision_plugin
+        accumulate = trainer.accumulate_grad_batches
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with precision.forward_context():
+                loss = self.model(x, y)
+            (loss / accumulate).backward()  # as Lightning scales an accumulated micro-batch
+            return loss.detach()
+
+        batch = batch.long()
+        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
+        if self._step_graph is None:
+            self._step_graph = StepGraph(self.model)
+        plugin = fp8_plugin(trainer)
+        key = (tuple(x.shape), plugin is not None and plugin.fp8_active)
+        loss = self._step_graph(step, x, y, key)
+        self._backward_done = True
+        return loss, y.numel()
+
+    @override
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._backward_done:  # step_with_backward's: the graph held it
+            self._backward_done = False
+            return
+        super().backward(loss, *args, **kwargs)
+
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss, tokens = self.loss(batch)
+        step_graph = self.fast_path is not None and self.fast_path.graphs == "step"
+        loss, tokens = self.step_with_backward(batch) if step_graph else self.loss(batch)
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on
         # a run's or an epoch's last step, not on the others, whose value the loggers discard:
@@ -511,8 +558,9 @@ class GPTLightningModule(L.LightningModule):
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # Lightning zeroes gradients inside the next step's closure, after its forward: the last
         # step's gradients would sit beside that forward's activations (Llama-3-8B under FSDP2
-        # ran out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does.
-        optimizer.zero_grad(set_to_none=True)
+        # ran out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does;
+        # zeroed in place under a whole-step graph, whose reduce-scatters add into them.
+        optimizer.zero_grad(set_to_none=self._step_graph is None)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

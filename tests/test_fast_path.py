@@ -27,7 +27,7 @@ def test_compile_is_on_on_a_gpu_off_on_a_cpu_and_te_under_fsdp2_compiles_only_th
     assert not cpu.compile and "costs a short CPU run more than it saves" in cpu.compile_why
     assert plan_compile(True, "cpu", "te").compile  # asked for: compiled
     fsdp = plan_compile(None, "cuda", "te", sharded=True)
-    assert fsdp.compile and not fsdp.regions and "faster eager" in fsdp.compile_why
+    assert fsdp.compile and not fsdp.regions and "uncompiled in the step's CUDA graph" in fsdp.compile_why
     assert plan_compile(True, "cuda", "te", sharded=True).regions  # asked for: regions too
     assert not plan_compile(False, "cuda", "te").compile
 
@@ -53,6 +53,10 @@ def test_compile_asked_for_where_it_cannot_run_trains_eagerly_and_says_why(monke
     (dict(backend="torch", runs_float8=True), "inductor"),  # torchao float8, compiled
     # BF16 under DDP: each block compiled, then captured; the all-reduce between replays
     (dict(backend="torch", world_size=2), "per-block"),
+    # TE under FSDP2, on several GPUs or one: the whole step, FSDP2's collectives inside it
+    (dict(backend="te", world_size=2, sharded=True), "step"),
+    (dict(backend="te", sharded=True), "step"),
+    (dict(backend="te", sharded=True, activation_checkpointing="mlp"), "step"),  # recompute in it
 ])
 def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
     path = plan_graphs(COMPILED, None, device_type="cuda", **where)
@@ -62,7 +66,8 @@ def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
 
 @pytest.mark.parametrize("wanted, where, reason", [
     (None, dict(device_type="cpu"), "CUDA graphs need a GPU"),
-    (None, dict(world_size=2, sharded=True), "FSDP2's hooks run in Python"),
+    (None, dict(backend="torch", world_size=2, sharded=True), "only the TE backend's step"),
+    (None, dict(world_size=2, sharded=True, callbacks=[FP8Stats()]), "FP8Stats"),
     (None, dict(callbacks=[FP8Stats()]), "FP8Stats"),
     (None, dict(activation_checkpointing="full"), "activation checkpointing"),
     (None, dict(backend="torch"), "BF16 on the PyTorch backend is compiled without them"),

@@ -54,7 +54,7 @@ def test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu(tmp_path, str
                                                                    one_gpu_losses):
     """DDP: compiled regions and a CUDA graph per block, DDP's all-reduce between the replays.
     FSDP2: the layout chosen for a model that fits one GPU (weights kept gathered, one unit), the
-    loss compiled. Either way FP8 runs, StepProfile splits the step per rank, and the losses are
+    loss compiled, the step's forward and backward one CUDA graph. Either way FP8 runs, StepProfile splits the step per rank, and the losses are
     the one-GPU run's within FP8 tolerance."""
     out, losses = fit(tmp_path / strategy, "--config", f"configs/{strategy}.yaml",
                       "--trainer.devices", "2", "--trainer.callbacks+=fp8_lightning.StepProfile",
@@ -64,7 +64,9 @@ def test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu(tmp_path, str
         assert "CUDA graphs: on" in out and "4 blocks captured as a graph each" in out
     else:
         assert "FSDP2: 4 blocks in 1 unit(s)" in out and "kept gathered" in out, out[-4000:]
-        assert "compile: the loss" in out and "under FSDP2 the TE blocks run faster eager" in out
+        assert "compile: the loss" in out and "the TE blocks run uncompiled in the step's CUDA graph" in out
+        assert "CUDA graphs: on, the step's forward and backward as one graph" in out
+        assert "the step's forward and backward captured for micro-batch 8x1024 (FP8)" in out
     assert "FP8 verified" in out
     # the profile: a row per rank whose parts add up to the step
     rows = re.findall(r"^([01]) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", out, re.M)

@@ -168,26 +168,54 @@ def test_graphs_step_aside_for_bf16_fallback_and_return(tmp_path, blocks):
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()) and losses[30] < losses[1]
 
 
-def test_te_fp8_under_fsdp2_on_one_gpu_trains_compiled_without_graphs(tmp_path, blocks, caplog):
-    """FSDP2 over one GPU with the defaults (CUDA graphs wherever they can run; under FSDP2 the
-    loss compiled, the TE blocks eager): the graphs stay off and say why, and the curve is the
-    unsharded run's. Capturing the
-    blocks had run a block's forward before FSDP2's root, which then refused every step
-    (configs/llama3_8b_fp8.yaml cut to 2 layers on one H200)."""
+class ValLosses(L.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_validation_end(self, trainer, module):
+        self.losses[trainer.global_step] = float(trainer.callback_metrics["val/loss"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_te_fp8_under_fsdp2_replays_the_step_and_validates_the_stepped_weights(tmp_path, blocks,
+                                                                                caplog, accumulate):
+    """FSDP2 over one GPU with the defaults: the loss compiled, the step's forward and backward
+    (FSDP2's gathers and reductions with it) one CUDA graph. The curve is the eager step's under
+    the same sharding, and the validations between replays (steps 10, 20) measure the weights as
+    stepped: an eager forward leaves the root's weights gathered, which the next replays do not
+    update, and a validation that used them would read step 10's embedding at step 20."""
     from fp8_lightning.distributed import FSDP2Strategy
 
-    _, plain = fit(tmp_path / "plain", blocks, 20, n_layer=4, cuda_graphs=False)
-    with caplog.at_level("INFO"):
-        trainer, sharded = fit(tmp_path / "fsdp2", blocks, 20, n_layer=4,
-                               strategy=FSDP2Strategy())
-    module = trainer.lightning_module
-    assert trainer.precision_plugin.fp8_active and module.compiled == "the loss"
-    assert module.graphed is None
-    assert "CUDA graphs: off (FSDP2's hooks run in Python, outside a replay)" in caplog.text
-    worst = max(abs(sharded[s] - plain[s]) / plain[s] for s in plain)
-    print(f"\n[FSDP2, one GPU] loss at 20: {sharded[20]:.4f} vs {plain[20]:.4f} unsharded, "
-          f"worst relative gap {worst:.4f}")
-    assert sharded[20] < sharded[1] - 1 and worst < 0.05
+    runs = {}
+    for name, graphs in (("eager", False), ("graphs", None)):
+        L.seed_everything(0)
+        module = GPTLightningModule(config=GPTConfig(name="gpt2", n_layer=4), warmup_steps=10,
+                                    lr_decay_steps=200, cuda_graphs=graphs)
+        loader = torch.utils.data.DataLoader(blocks.repeat(4, 1), batch_size=B, drop_last=True,
+                                             pin_memory=True)
+        val = torch.utils.data.DataLoader(blocks[:2 * B], batch_size=B, pin_memory=True)
+        losses, vals = Losses(), ValLosses()
+        trainer = L.Trainer(max_steps=20, plugins=[FP8Precision()], accelerator="gpu", devices=1,
+                            strategy=FSDP2Strategy(), use_distributed_sampler=False, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, val_check_interval=10 * accumulate,
+                            num_sanity_val_steps=0, gradient_clip_val=1.0,
+                            accumulate_grad_batches=accumulate, default_root_dir=tmp_path / name,
+                            callbacks=[losses, vals])
+        with caplog.at_level("INFO"):
+            trainer.fit(module, loader, val)
+        runs[name] = module, {k: float(v) for k, v in losses.losses.items()}, vals.losses
+    (module, graphed, graphed_val), (_, eager, eager_val) = runs["graphs"], runs["eager"]
+    assert module.compiled == "the loss" and module.graphed == "FP8"
+    assert "CUDA graphs: on, the step's forward and backward as one graph" in caplog.text
+    assert "the step's forward and backward captured for micro-batch 8x1024 (FP8)" in caplog.text
+    worst = max(abs(graphed[s] - eager[s]) / eager[s] for s in eager)
+    print(f"\n[FSDP2 one GPU, accumulate {accumulate}] loss at 20: {graphed[20]:.4f} vs eager "
+          f"{eager[20]:.4f}, worst relative gap {worst:.4f}; validation {graphed_val} vs "
+          f"{eager_val}")
+    assert graphed[20] < graphed[1] - 1 and worst < 0.02
+    assert sorted(graphed_val) == sorted(eager_val) == [10, 20]
+    assert all(abs(graphed_val[s] - eager_val[s]) < 0.01 * eager_val[s] for s in eager_val)
 
 
 def test_fsdp2_builds_the_model_on_the_gpu_unless_it_would_crowd_it():

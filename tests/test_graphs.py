@@ -13,9 +13,7 @@ class FP8Stats:  # graphs_status knows the callback by its class name (no TE imp
 
 @pytest.mark.parametrize("where, reason", [
     (dict(device_type="cpu", world_size=1), "CUDA graphs need a GPU"),
-    (dict(device_type="cuda", world_size=2, sharded=True), "FSDP2's hooks run in Python"),
-    # FSDP2 over one GPU: a captured block would run its forward before FSDP2's root
-    (dict(device_type="cuda", world_size=1, sharded=True), "FSDP2's hooks run in Python"),
+    (dict(device_type="cuda", world_size=2, sharded=True, callbacks=[FP8Stats()]), "FP8Stats"),
     (dict(device_type="cuda", world_size=1, callbacks=[FP8Stats()]), "FP8Stats"),
 ])
 def test_graphs_stay_off_where_a_replay_would_skip_python_and_say_why(where, reason):
@@ -23,10 +21,13 @@ def test_graphs_stay_off_where_a_replay_would_skip_python_and_say_why(where, rea
     assert not ok and reason in why
 
 
-def test_one_unsharded_gpu_replays_the_stack_and_ddp_a_graph_per_block():
+def test_one_gpu_replays_the_stack_ddp_a_graph_per_block_and_fsdp2_the_step():
     assert graphs_status("cuda", 1, [], sharded=False) == (True, "one GPU")
     # DDP's all-reduce runs in autograd hooks between the blocks' backward replays
     assert graphs_status("cuda", 2, [], sharded=False) == (True, "DDP, a graph per block")
+    # FSDP2 frees and reallocates a block's gathered weights: its whole step is one graph
+    ok, why = graphs_status("cuda", 2, [], sharded=True)
+    assert ok and why.startswith("FSDP2, the whole step as one graph")
 
 
 # ------------------------------------------------------------- another model's blocks (recorded)

@@ -209,6 +209,9 @@ class FP8PrecisionBase(FabricPrecision):
         self.fuse_mlp, self.compile_blocks = fuse_mlp, compile_blocks
         self.wgrad: Any = None  # FusedWgrad, where fuse_wgrad_accumulation can run
         self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
+        # A training step that opens the autocast around its own forward and runs its backward
+        # (a whole-step CUDA graph must hold the autocast's exit: TE's amax reduction there)
+        self.step_owns_autocast = False
         self.fp8_layers = fp8_layers  # None: the recipe's (resolved in layers, after auto chose)
         self.tokens_per_micro_batch: Optional[int] = None  # set by GPTLightningModule (fp8_layers)
         self.fp8_available = False
@@ -520,7 +523,9 @@ class FP8PrecisionBase(FabricPrecision):
     def _training_context(self, step_start: bool = True) -> Generator[None, None, None]:
         """A training forward in FP8 (``step_start``: the Trainer's training step, not one of
         Fabric's forwards); after the first FP8 step, checks that FP8 really ran."""
-        with self._context(fp8=True), ExitStack() as stack:
+        with ExitStack() as stack:
+            if not self.step_owns_autocast:
+                stack.enter_context(self._context(fp8=True))
             if self.wgrad is not None:
                 self.wgrad.before_forward()  # before a capture: the graph writes main_grad
             if self.graphs is not None:

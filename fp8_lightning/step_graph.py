@@ -1,0 +1,110 @@
+"""The whole training step's forward and backward as one CUDA graph: the fast path under FSDP2.
+
+Why: under FSDP2 a TE step is host-bound (TE issues its kernels from Python, FSDP2 gathers and
+reduces in Python hooks), and a block's own graph, the DDP path's, cannot replay there: FSDP2
+gathers a block's weights into storage it frees and allocates again every step, so a replay would
+read where they were. A graph of the whole forward and backward holds FSDP2's all-gathers and
+reduce-scatters as well, their buffers in the graph's own memory pool at fixed addresses, and TE's
+amax reduction at the autocast's exit (torchtitan captures FSDP2 steps so:
+pytorch/torchtitan#3559). The host launches one graph per micro-batch.
+
+Outside the graph, eager between replays: the optimizer, gradient clipping, logging. The gradients
+stay allocated (zeroed in place after each optimizer step, not dropped): the captured
+reduce-scatters add into the same ``.grad`` memory at every replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> loss, backward done
+
+
+class StepGraph:
+    """A micro-batch's forward and backward (``step``), captured at the second call with the same
+    key (micro-batch shape, FP8 on or off; the first warms up eagerly: compiled pieces, NCCL and
+    cuBLAS on these shapes) and replayed after; another key runs eagerly and is captured anew."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.key: Optional[tuple] = None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.loss: Optional[torch.Tensor] = None
+        self.failed: Optional[str] = None
+        # An eager forward between replays (validation, a text sample) leaves the units that keep
+        # their weights after forward gathered, and FSDP2 believing so: the next step runs eagerly,
+        # so that FSDP2's own backward frees them, as the replays expect (a replay would leave
+        # them gathered, and the next eager forward would read weights some steps old).
+        self.eager_next = False
+        self._stepping = False
+        self._hook = model.register_forward_pre_hook(self._seen_forward)
+
+    def _seen_forward(self, *_: Any) -> None:
+        if not self._stepping:
+            self.eager_next = True
+
+    @property
+    def replaying(self) -> Optional[tuple]:
+        """The key the graph replays (captured), or None."""
+        return self.key if self.graph is not None else None
+
+    def __call__(self, step: Step, x: torch.Tensor, y: torch.Tensor, key: tuple) -> torch.Tensor:
+        self._stepping = True
+        try:
+            return self._step(step, x, y, key)
+        finally:
+            self._stepping = False
+
+    def _step(self, step: Step, x: torch.Tensor, y: torch.Tensor, key: tuple) -> torch.Tensor:
+        if self.failed is not None or x.device.type != "cuda":  # (graphs need a GPU)
+            return step(x, y)
+        if key != self.key:  # first use, or another shape / FP8 state: eager, captured next time
+            self.release()
+            self.key, self.eager_next = key, False
+            # on the tensors the graph will read: the same strides, so that nothing compiled
+            # (the loss) compiles again inside the capture
+            self.inputs = (x.clone(), y.clone())
+            return step(*self.inputs)
+        if self.eager_next:
+            self.eager_next = False
+            return step(x, y)
+        if self.graph is None:
+            self._capture(step, x)
+            if self.graph is None:
+                return step(x, y)
+        self.inputs[0].copy_(x)
+        self.inputs[1].copy_(y)
+        self.graph.replay()
+        return self.loss.clone()  # the next replay overwrites the graph's own
+
+    def _capture(self, step: Step, x: torch.Tensor) -> None:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            # thread_local: NCCL's watchdog thread polls its events meanwhile, which is legal
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.loss = step(*self.inputs)
+        except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
+            self.failed = " ".join(str(err).split())[:300]
+            self.graph, self.loss = None, None
+            log.warning("CUDA graphs: capturing the step failed (%s: %s); training without them",
+                        type(err).__name__, self.failed)
+            return
+        self.graph = graph
+        log.info("CUDA graphs: the step's forward and backward captured for micro-batch %s (%s)",
+                 "x".join(map(str, x.shape)), "FP8" if self.key[-1] else "BF16")
+
+    def release(self) -> None:
+        """Free the graph and its memory pool (training goes on eagerly until captured again)."""
+        self.graph, self.inputs, self.loss, self.key = None, (), None, None
+
+    def remove(self) -> None:
+        """:meth:`release`, and stop watching the model's forward."""
+        self.release()
+        self._hook.remove()

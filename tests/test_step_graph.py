@@ -1,0 +1,77 @@
+"""The fast path ``"step"`` (TE under FSDP2, fp8_lightning/step_graph.py): the training step runs
+a micro-batch's forward, in the precision plugin's autocast, and its backward itself; the plugin
+leaves the autocast to it and Lightning's backward has nothing left to do. On the CPU the step
+runs eagerly (capturing it needs a GPU: tests/test_gpu_ddp.py replays it): what is checked here
+is that Lightning's loop around it trains exactly as around its own backward."""
+
+from dataclasses import replace
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning import module as module_lib
+from fp8_lightning.config import GPTConfig
+from fp8_lightning.distributed import FSDP2Strategy
+from fp8_lightning.fp8 import FP8Precision
+from fp8_lightning.module import GPTLightningModule
+from tests.helpers import VOCAB, Tokens
+
+
+class Record(L.Callback):
+    def __init__(self):
+        self.losses, self.grads_kept = [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, module):
+        self.grads_kept = [p.grad is not None for p in module.parameters()]
+        self.weights = {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
+
+
+def fit(tmp_path, monkeypatch, step):
+    if step:  # the plan a GPU would make for TE under FSDP2
+        plan = module_lib.plan_graphs
+        monkeypatch.setattr(module_lib, "plan_graphs", lambda *a, **k: replace(
+            plan(*a, **k), graphs="step", graphs_why="TE under FSDP2"))
+    L.seed_everything(0)
+    module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=2, block_size=32,
+                                                 vocab_size=VOCAB), warmup_steps=1)
+    record, plugin = Record(), FP8Precision()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(), plugins=[plugin],
+                        max_steps=3, accumulate_grad_batches=2, gradient_clip_val=1.0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[record], default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2)
+    trainer.fit(module, loader)
+    monkeypatch.undo()
+    return module, plugin, record
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        lightning = fit(tmp_path_factory.mktemp("own"), monkeypatch, step=False)
+        step = fit(tmp_path_factory.mktemp("step"), monkeypatch, step=True)
+    return lightning, step
+
+
+def test_a_step_that_runs_its_own_backward_trains_as_lightnings_backward(runs):
+    """Three optimizer steps of two accumulated micro-batches, clipped: the same losses and the
+    same weights, exactly, whether Lightning's backward ran or the step's own."""
+    (_, _, own), (module, plugin, step) = runs
+    assert module.fast_path.graphs == "step" and len(step.losses) == 6
+    assert step.losses == own.losses
+    assert step.weights.keys() == own.weights.keys()
+    for name, weight in own.weights.items():
+        assert torch.equal(step.weights[name], weight), name
+
+
+def test_the_step_opens_the_autocast_and_its_gradients_stay_allocated(runs):
+    """Under the step path the plugin leaves the autocast to the step (a captured step must hold
+    its exit); the gradients are zeroed in place after each optimizer step (a replay's
+    reduce-scatters add into them), where Lightning's path drops them."""
+    (_, own_plugin, own), (_, plugin, step) = runs
+    assert plugin.step_owns_autocast and not own_plugin.step_owns_autocast
+    assert all(step.grads_kept) and not any(own.grads_kept)
