@@ -11,9 +11,14 @@ table and writes one PNG:
   those that held a validation or a checkpoint save (``throughput/paused``). **speedup**: the ratio
   of medians to the first run's; within the runs' combined per-window spread it is reported as
   indistinguishable (within noise ±x%).
-* The PNG: loss vs tokens seen (millions) with validation points marked, the difference of every
-  run's loss to the first run's (so identical runs show as a flat line, not as one curve hiding
-  another), the last part of the loss enlarged, and throughput (paused windows left out).
+* **the seed band**: given several runs of the baseline (BF16 runs with different seeds), their
+  range of final losses is the band a run must sit in to train "the same"; each other run gets one
+  ``verdict:`` line (inside, above or below the band, and its gap to the band's mean). The
+  baseline is every run logged as plain BF16, or the first ``--baseline K`` runs.
+* The PNG: loss vs tokens seen (millions) with validation points marked and the band shaded, the
+  difference of every run's loss to the first run's (with a band: to the band's mean; so identical
+  runs show as a flat line, not as one curve hiding another), the last part of the loss enlarged,
+  and throughput (paused windows left out).
 
 A RUN_DIR is a run's ``default_root_dir``, its ``lightning_logs`` or one ``version_N`` folder;
 where it holds several versions the newest is used (and the choice is printed).
@@ -292,6 +297,59 @@ def legend(runs: list[Run]) -> str:
             "combined per-window spread")
 
 
+# ----------------------------------------------------------------------------- the seed band
+@dataclass
+class Band:
+    """The baseline's seeds: the spread of their final losses is what "the same loss" means."""
+
+    runs: list[Run]
+    name: str  # "BF16", or "the baseline" for runs picked by --baseline
+    metric: str  # "final val loss" where every run has one, else the console's "final loss"
+
+    def final(self, run: Run) -> Optional[float]:
+        return _last(run, VAL_LOSS) if self.metric == "final val loss" else final_loss(run)
+
+    @property
+    def values(self) -> list[float]:
+        return [v for v in map(self.final, self.runs) if v is not None]
+
+    def verdict(self, run: Run) -> str:
+        """One line: does ``run``'s final loss sit inside the band?"""
+        values, value = self.values, self.final(run)
+        low, high, mean = min(values), max(values), statistics.mean(values)
+        head = f"verdict: {run.label} ({run.precision}): {self.metric}"
+        if value is None:
+            return f"{head} n/a: not logged"
+        where = (f"inside {self.name}'s seed band" if low <= value <= high else
+                 f"{100 * (value / high - 1):.2f}% above {self.name}'s seed band" if value > high else
+                 f"{100 * (1 - value / low):.2f}% below (lower loss than) {self.name}'s seed band")
+        return (f"{head} {value:.4f} is {where} {low:.4f}-{high:.4f} ({len(values)} runs), "
+                f"{100 * (value / mean - 1):+.2f}% from its mean")
+
+
+def seed_band(runs: list[Run], baseline: Optional[int] = None) -> Optional[Band]:
+    """The first ``baseline`` runs, or (``None``) every run logged as plain BF16, if at least two."""
+    picked = runs[:baseline] if baseline else [r for r in runs if r.precision == "BF16"]
+    if len(picked) < 2:
+        return None
+    with_val = all(_last(r, VAL_LOSS) is not None for r in runs)
+    return Band(picked, "BF16" if all(r.precision == "BF16" for r in picked) else "the baseline",
+                "final val loss" if with_val else "final loss")
+
+
+def band_curve(band: Band, tag: str, x: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """(low, mean, high) of the band's runs' ``tag`` at tokens ``x`` (linear in between)."""
+    import numpy as np
+
+    curves = []
+    for run in band.runs:
+        series = run.series(tag)
+        rx = np.array(run.tokens_at([s for s, _ in series]))
+        curves.append(np.interp(x, rx, [v for _, v in series], left=np.nan, right=np.nan))
+    stack = np.array(curves)
+    return stack.min(axis=0), stack.mean(axis=0), stack.max(axis=0)
+
+
 # ----------------------------------------------------------------------------- the figure
 STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
@@ -307,7 +365,7 @@ def _running_median(values: list[float], width: int = 5) -> list[float]:
     return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
 
 
-def plot(runs: list[Run], output: str) -> Path:
+def plot(runs: list[Run], output: str, band: Optional[Band] = None) -> Path:
     import numpy as np
 
     plt = pyplot("compare's plot")
@@ -316,11 +374,23 @@ def plot(runs: list[Run], output: str) -> Path:
     scale, unit = _tokens_unit(runs)
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     (ax_loss, ax_diff), (ax_zoom, ax_tps) = axes
-    base = runs[0]
+    base = runs[0] if band is None else band.runs[0]
     base_loss = base.series(base.loss_tag)
     base_x = np.array(base.tokens_at([s for s, _ in base_loss])) / scale
     base_y = np.array([v for _, v in base_loss])
     base_val = dict(base.series(VAL_LOSS))
+    reference = base.label
+    if band is not None:  # the band's mean is the reference; its range shaded on the loss panels
+        low, base_y, high = band_curve(band, base.loss_tag, list(base_x * scale))
+        reference = f"{band.name} seeds' mean"
+        for ax in (ax_loss, ax_zoom):
+            ax.fill_between(base_x, low, high, color="0.5", alpha=0.25, linewidth=0,
+                            label=f"{band.name} seed band ({len(band.runs)} runs)")
+        ax_diff.fill_between(base_x, low - base_y, high - base_y, color="0.5", alpha=0.25,
+                             linewidth=0, label=f"{band.name} seed band")
+        val_steps = set.intersection(*(set(dict(r.series(VAL_LOSS))) for r in band.runs))
+        base_val = {s: statistics.mean(dict(r.series(VAL_LOSS))[s] for r in band.runs)
+                    for s in val_steps}
     last_x = 0.0
     for i, run in enumerate(runs):
         color, style, marker = f"C{i % 10}", STYLES[i % len(STYLES)], MARKERS[i % len(MARKERS)]
@@ -344,7 +414,7 @@ def plot(runs: list[Run], output: str) -> Path:
                         markeredgewidth=1.5, linestyle="none", label=f"{name} val")
         if len(x):
             last_x = max(last_x, float(x[-1]))
-        if i and len(x) and len(base_x):
+        if (run is not base or band is not None) and len(x) and len(base_x):
             diff = y - np.interp(x, base_x, base_y, left=np.nan, right=np.nan)
             ax_diff.plot(x, diff, style, color=color, linewidth=width, marker=marker,
                          markevery=every, markersize=4, label=f"{name} train")
@@ -363,7 +433,7 @@ def plot(runs: list[Run], output: str) -> Path:
     train = ("train: the console line's mean" if all(r.series(TRAIN_LOSS_MEAN) for r in runs)
              else "train: the logged micro-batch")
     ax_loss.set(ylabel="loss", title=f"loss vs tokens ({train}; validation: open markers)")
-    ax_diff.set(ylabel=f"loss - {base.label}'s", title=f"difference to {base.label}")
+    ax_diff.set(ylabel=f"loss - {reference}", title=f"difference to {reference}")
     ax_zoom.set(ylabel="loss", title="the last 30% of the run")
     ax_tps.set(ylabel="tokens / s", title="throughput: log windows without warm-up, validation or "
                "checkpoint\n(dots), their 5-window running median (line)")
@@ -397,25 +467,36 @@ def plot(runs: list[Run], output: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- the command
-def compare(run_dirs: list[str], output: str = "compare.png",
-            labels: Optional[list[str]] = None) -> tuple[list[dict[str, object]], Path]:
+def compare(run_dirs: list[str], output: str = "compare.png", labels: Optional[list[str]] = None,
+            baseline: Optional[int] = None) -> tuple[list[dict[str, object]], Path]:
     """Compare runs from their logs (TensorBoard or CSV): compare RUN_DIR [RUN_DIR ...]
-    [--labels A [B ...]] [--output PNG]; the first run is the baseline.
+    [--labels A [B ...]] [--baseline K] [--output PNG]; the first run is the baseline.
 
     Prints final/min loss (the console line's), final val loss and its gap to the first run,
-    median tok/s and the speedup over the first run (or that it is within noise); writes loss vs
-    tokens, the difference to the first run, the last part enlarged and throughput to ``output``.
+    median tok/s and the speedup over the first run (or that it is within noise); given several
+    seeds of the baseline, a verdict line per other run: inside their band of final losses or not.
+    Writes loss vs tokens (the band shaded), the difference to the first run (or the band's mean),
+    the last part enlarged and throughput to ``output``.
 
     Args:
         run_dirs: RUN_DIR ...: each a run's default_root_dir, lightning_logs or version_N folder
             (TensorBoard or CSVLogger logs; the first run is the baseline).
         output: the PNG.
         labels: a label per run (default: the RUN_DIRs).
+        baseline: the first K runs are seeds of the baseline, whose range of final losses is the
+            band the other runs are judged against (default: every run logged as plain BF16,
+            where there are two or more).
     """
     if not run_dirs:
         raise ConfigError(["give at least one RUN_DIR"], "compare")
+    problems = []
     if labels and len(labels) != len(run_dirs):
-        raise ConfigError([f"{len(labels)} labels for {len(run_dirs)} runs"], "compare")
+        problems.append(f"{len(labels)} labels for {len(run_dirs)} runs")
+    if baseline is not None and not 2 <= baseline <= len(run_dirs):
+        problems.append(f"--baseline {baseline}: a seed band needs 2 to {len(run_dirs)} runs "
+                        f"(the first K of the {len(run_dirs)} given)")
+    if problems:
+        raise ConfigError(problems, "compare")
     if Path(output).expanduser().is_dir():
         raise ConfigError([f"--output {output!r} is a directory; give a file name such as "
                            f"{str(Path(output) / 'compare.png')!r}"], "compare")
@@ -426,8 +507,16 @@ def compare(run_dirs: list[str], output: str = "compare.png",
     rows = summary(runs)
     print(format_table(rows))
     print(legend(runs))
+    band = seed_band(runs, baseline)
+    if band is not None:
+        for run in runs:
+            if all(run is not seed for seed in band.runs):
+                print(band.verdict(run))
+    elif sum(r.precision == "BF16" for r in runs) == 1 and len(runs) > 1:
+        print("note: one BF16 run, no seed band: give two or more BF16 seeds (or --baseline K) "
+              "for a verdict on the others")
     try:  # after the table: without matplotlib the numbers still show, and the run succeeds
-        path = plot(runs, output)
+        path = plot(runs, output, band)
     except MissingExtraError as err:
         print(f"note: no plot: {err}")
         return rows, None

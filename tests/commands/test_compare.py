@@ -141,3 +141,64 @@ def test_read_run_prefers_the_newest_version(two_runs):
     run = read_run(str(csv_run))
     assert run.log_dir.name == "version_0" and logs.TRAIN_LOSS_MEAN in run.scalars
     assert run.precision in ("BF16 (fallback)", "FP32 (fallback)")  # from text.jsonl
+
+
+def test_a_seed_band_of_bf16_runs_judges_each_other_run():
+    """Runs logged as plain BF16 are the baseline's seeds; every other run gets one verdict line."""
+    from fp8_lightning.commands.compare import seed_band
+
+    def run(label, precision, val):
+        r = _run(label, [5.0, 100, 100], [5.0, 4.0, 3.0], val=[(2, val)])
+        r.precision = precision
+        return r
+
+    seeds = [run(f"bf16-s{i}", "BF16", v) for i, v in enumerate((2.3731, 2.3737, 2.3932))]
+    inside, above, below = (run("delayed", "FP8 delayed", 2.3845), run("block", "FP8 block", 2.4170),
+                            run("current", "FP8 current", 2.3600))
+    band = seed_band([seeds[0], inside, *seeds[1:], above, below])
+    assert band.runs == seeds and band.metric == "final val loss"
+    assert band.verdict(inside) == ("verdict: delayed (FP8 delayed): final val loss 2.3845 is inside "
+                                    "BF16's seed band 2.3731-2.3932 (3 runs), +0.19% from its mean")
+    assert "is 0.99% above BF16's seed band 2.3731-2.3932" in band.verdict(above)
+    assert "is 0.55% below (lower loss than) BF16's seed band" in band.verdict(below)
+    # a run that fell back to BF16 is not a seed of the baseline; one BF16 run is no band
+    assert seed_band([seeds[0], run("fell back", "BF16 (fallback)", 2.38), inside]) is None
+    # without a validation everywhere, the console's final loss is what is judged
+    del inside.scalars[logs.VAL_LOSS]
+    assert seed_band([*seeds, inside]).metric == "final loss"
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    """Three tiny CPU runs of one config, seeds 1, 2 and 3 (logged by CSVLogger)."""
+    import lightning as L
+
+    roots = []
+    for seed in (1, 2, 3):
+        L.seed_everything(seed)
+        roots.append(tmp_path_factory.mktemp(f"seed{seed}"))
+        logged_fit(roots[-1])
+    return roots
+
+
+def test_compare_draws_the_baselines_seed_band_and_says_whether_a_run_is_inside(seeds, tmp_path,
+                                                                                capsys):
+    png = tmp_path / "band.png"
+    main(["compare", *map(str, seeds), "--labels", "s1", "s2", "s3", "--baseline", "2",
+          "--output", str(png)])
+    out = capsys.readouterr().out
+    runs = [read_run(str(root)) for root in seeds]
+    finals = [r.series(logs.VAL_LOSS)[-1][1] for r in runs]
+    assert len(set(finals)) == 3  # the seeds differ
+    (verdict,) = [line for line in out.splitlines() if line.startswith("verdict:")]
+    low, high = sorted(finals[:2])
+    assert verdict.startswith(f"verdict: s3 ({runs[2].precision}): final val loss {finals[2]:.4f} is ")
+    assert f"the baseline's seed band {low:.4f}-{high:.4f} (2 runs)" in verdict
+    assert ("inside" in verdict) == (low <= finals[2] <= high)
+    assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000
+    # the band needs two runs and no more than were given
+    for bad in ("1", "4"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["compare", *map(str, seeds), "--baseline", bad])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"--baseline {bad}: a seed band needs 2 to 3 runs" in err
