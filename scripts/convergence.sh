@@ -71,6 +71,6 @@ for seed in $SEEDS; do
         --output "$OUT/convergence-s$seed.png"
 done
 $PYTHON scripts/convergence_summary.py "$OUT"
-# One archive of the logs and event files (the device tool returns only a few files per call);
+# One archive of the logs and event files, to carry off the machine in one piece;
 # the globs expand inside $OUT's parent, not here.
 (cd "$(dirname "$OUT")" && tar czf "$(basename "$OUT").tgz" "$(basename "$OUT")"/tb-* "$(basename "$OUT")"/*.log)

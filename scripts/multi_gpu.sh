@@ -19,14 +19,14 @@
 #                  2 GPUs (a run per pair of SETS at a time); on four GPUs
 #                  ONE_SETS="0 1 2 3" SETS="0,1 2,3" takes about half the time
 #   table-gpt-1.3b-ddp | table-gpt-1.3b-fsdp   the 1.3B table's one-GPU rows and one strategy's
-#                  (on two GPUs the whole 1.3B table takes more than one 10-minute device call)
+#                  (on two GPUs the whole 1.3B table takes more than 10 minutes)
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
 #                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
 #                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
 #                  at step 200. Then the FSDP2 run's sharded step-100 checkpoint is resumed to
 #                  step 200 (FP8 scaling state from meta.pt), consolidated, and sampled on one GPU.
 #   resume-gpt2    only the FSDP2 part of loss-gpt2
-#   table-8b       #17's seed table: configs/llama3_8b_{bf16,fp8}.yaml (FSDP2) on DEVICES8B GPUs at
+#   table-8b       the 8B seed table: configs/llama3_8b_{bf16,fp8}.yaml (FSDP2) on DEVICES8B GPUs at
 #                  the same global batch (DEVICES8B x 1 x 8192), STEPS8B steps from one seed on
 #                  the real-text corpus cut in blocks of 8192, val loss (4 batches) at the last
 #                  step; VARIANTS8B (default: all of bf16 plain-bf16 fp8-delayed fp8-current
@@ -137,8 +137,8 @@ logged() {  # logged NAME DEVICES CMD...: CMD's output into OUT/NAME.log after t
     local name=$1 devices=$2 start=$SECONDS
     shift 2
     echo "=== devices: $devices" > "$OUT/$name.log"
-    # timeout leads its own process group (the run's ranks in it): a TERM to this script (a
-    # device call's limit) must end that group too, or the ranks held the GPUs into the next run
+    # timeout leads its own process group (the run's ranks in it): a TERM to this script (an
+    # outer time limit) must end that group too, or the ranks held the GPUs into the next run
     # ("CUDA-capable device(s) is/are busy"). Run in the background, as bash runs a trap only
     # between commands and wait is one; the trap runs once (timeout's group kill sends a second
     # TERM) and waits for the run (KILL 15 s after the TERM), so the GPUs are free on return.

@@ -1,6 +1,6 @@
 """What the safety and monitoring callbacks cost a GPT-2 124M FP8 step, on the GPU machine.
 
-Moved from the GPU test suite (#19: benchmarks are not tests), with the same runs and the same
+Kept out of the GPU test suite (a benchmark is not a test), with the same runs and the same
 bounds: the script exits 1 when a bound is exceeded, 0 otherwise.
 
     python3 scripts/overhead.py monitor   # TrainingMonitor and FP8Stats against a bare fit

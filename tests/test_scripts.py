@@ -320,7 +320,7 @@ def test_the_memory_probe_refuses_a_share_of_the_gpu_it_cannot_take(fraction):
 
 
 def test_a_run_cut_by_a_limit_on_the_script_ends_with_it(tmp_path):
-    """multi_gpu.sh under an outer timeout (a device call's limit): the run it had started (a
+    """multi_gpu.sh under an outer timeout (a time limit on the whole job): the run it had started (a
     stand-in python that sleeps) ends with the script instead of holding the GPUs, and its log
     is archived."""
     calls = tmp_path / "calls.txt"
