@@ -305,13 +305,14 @@ def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True,
     ``torch.compile``, TE's maintainers do not plan it); every region between them is compiled:
     per block the head split, QK-norm, RoPE and SDPA (or the part before
     ``te.DotProductAttention``), and the loss; with ``regions=False`` only the loss.
-    ``per_block`` (PyTorch backend): each block and the loss compiled on their own, for a CUDA
-    graph per block (:mod:`fp8_lightning.graphs`, under DDP).
+    ``per_block`` (PyTorch backend): each block and the loss compiled on their own: under DDP for
+    a CUDA graph per block (:mod:`fp8_lightning.graphs`), under FSDP2 before each block is
+    sharded.
     """
     if model.backend == "torch" and per_block:
         model.loss_fn = torch.compile(next_token_loss)
         for block in model.blocks:
-            block.residual = _whole_under_ddp(torch.compile(block.residual))
+            block.residual = _in_one_piece(torch.compile(block.residual))
         return "each block and the loss"
     if model.backend == "torch":
         if cuda_graphs:
@@ -331,11 +332,12 @@ def compile_model(model: GPT, cuda_graphs: bool = False, regions: bool = True,
     return f"the regions between TE modules: {what} per block, the loss"
 
 
-def _whole_under_ddp(compiled: Any) -> Any:
-    """``compiled``, compiled in one piece when it is first called inside DDP's forward: Dynamo
+def _in_one_piece(compiled: Any) -> Any:
+    """``compiled``, compiled in one piece even when first called inside DDP's forward: Dynamo
     would otherwise split it at DDP's gradient-bucket boundaries (its DDPOptimizer), which only
     pays when the compiled graph's backward produces gradients for DDP's hooks; a block replayed
-    as its own CUDA graph hands DDP its gradients after the replay anyway."""
+    as its own CUDA graph hands DDP its gradients after the replay anyway. (Under FSDP2 or one
+    GPU the setting changes nothing.)"""
 
     @functools.wraps(compiled)
     def call(*args: Any) -> Any:

@@ -54,11 +54,16 @@ class Engine:
         and how that was decided (for the log line)."""
         return {}, f"is not supported by engine {self.name}"
 
+    def gathers_float8(self, recipe: str) -> Optional[str]:
+        """Can FSDP2 gather ``recipe``'s FP8 weights as FP8 with this engine? None if so, else
+        why not."""
+        return f"engine {self.name} has no FP8 all-gather"
+
     def float8_all_gather(self, model: nn.Module, config: dict[str, Any],
                           bf16_modules: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], str]:
         """Before FSDP2 shards ``model``: make the weights of the GEMMs that will run FP8 gather
         as FP8; the ``(module, weight name)`` pairs made so, and what was done or why not."""
-        return [], f"engine {self.name} has no FP8 all-gather"
+        return [], self.gathers_float8(config["recipe"]) or "not implemented"
 
     def context(self, fp8: bool, amax_group: Any = None) -> Any:
         """The forward context of a step (FP8 on or off)."""

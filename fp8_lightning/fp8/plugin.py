@@ -314,7 +314,7 @@ class FP8PrecisionBase(FabricPrecision):
     @property
     def gathers_float8(self) -> bool:
         """Can FSDP2 gather this run's FP8 weights as float8 (the engine and recipe have it)?"""
-        return self.engine.name == "torchao" and self.recipe_config["recipe"] == "tensorwise"
+        return self.engine.gathers_float8(self.recipe_config["recipe"]) is None
 
     def float8_all_gather(self, gpt: nn.Module) -> list[tuple[nn.Module, str]]:
         """Before FSDP2 shards ``gpt`` (``FSDP2Strategy(float8_all_gather=True)``): the engine

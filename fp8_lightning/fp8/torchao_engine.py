@@ -227,6 +227,11 @@ class TorchaoEngine(Engine):
                 kept.update({f"{name}.{w}": reason for w, reason in why.items()})
         return kept, f"by torchao's size filter for {recipe}"
 
+    def gathers_float8(self, recipe: str) -> Optional[str]:
+        if recipe != "tensorwise":  # torchao's float8 all-gather has the tensorwise scales only
+            return f"torchao gathers float8 for recipe tensorwise only, not {recipe}"
+        return None
+
     def float8_all_gather(self, model: nn.Module, config: dict[str, Any],
                           bf16_modules: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], str]:
         """Wrap each float8 GEMM weight in torchao's ``WeightWithDynamicFloat8CastTensor``, as
@@ -236,8 +241,9 @@ class TorchaoEngine(Engine):
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         recipe = config["recipe"]
-        if recipe != "tensorwise":
-            return [], f"torchao gathers float8 for recipe tensorwise only, not {recipe}"
+        why_not = self.gathers_float8(recipe)
+        if why_not:
+            return [], why_not
         f8_config, mm_config = _configs(recipe)
         dtype = f8_config.cast_config_weight.target_dtype
         pairs = []
