@@ -29,7 +29,8 @@ The estimate counts, per GPU:
 
 The backward frees activations while it writes gradients, and the LM head's gradient comes
 first: the peak is ``weights + optimizer + max(activations + head gradient, gradients)``, or
-their sum under gradient accumulation (the gradients of the earlier micro-batches are held).
+their sum under gradient accumulation (the gradients of the earlier micro-batches are held) and
+under FSDP2's whole-step CUDA graph (it adds into gradients that stay allocated).
 That holds where gradients are freed between steps: the module drops them right after the
 optimizer step (Lightning alone keeps them through the next step's forward). DDP's gradient
 buckets and the CUDA graphs' static gradients stay allocated; the one-GPU and DDP checks below
@@ -110,6 +111,7 @@ class RunShape:
     master_bytes: int = 4  # 4: fp32 master weights (bf16-mixed); 2: bf16-true
     compiled_loss: bool = True  # False: the eager loss materialises fp32 logits
     accumulate_grad_batches: int = 1
+    gradients_kept: bool = False  # held through the next forward (FSDP2's whole-step CUDA graph)
 
 
 def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
@@ -162,7 +164,7 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
                           activations=tokens * (kept + logits + 2 * r * h),  # + the final norm
                           # the LM head's gradient: whole (not yet reduce-scattered) under FSDP2
                           head_gradient=run.master_bytes * head_params,
-                          accumulate=run.accumulate_grad_batches > 1)
+                          accumulate=run.accumulate_grad_batches > 1 or run.gradients_kept)
 
 
 def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) -> Optional[str]:

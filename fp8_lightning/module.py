@@ -228,7 +228,11 @@ class GPTLightningModule(L.LightningModule):
                         activation_checkpointing_every=hp.activation_checkpointing_every,
                         master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
                         compiled_loss=self.fast_path is not None and self.fast_path.compile,
-                        accumulate_grad_batches=trainer.accumulate_grad_batches)
+                        accumulate_grad_batches=trainer.accumulate_grad_batches,
+                        # the step's CUDA graph where it would be planned (plan_graphs decides
+                        # later, when training starts; a refusal there only overcounts here)
+                        gradients_kept=is_sharded(trainer.strategy) and self.backend_name == "te"
+                        and hp.cuda_graphs is not False)
 
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
