@@ -112,13 +112,22 @@ def plan_compile(wanted: Optional[bool], device_type: str, backend: str = "torch
 def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, backend: str,
                 world_size: int = 1, sharded: bool = False, callbacks: Any = (),
                 accumulate_grad_batches: int = 1, activation_checkpointing: str = "none",
-                runs_float8: bool = False) -> FastPath:
+                runs_float8: bool = False, step_graph_fits: bool = True) -> FastPath:
     """``model.cuda_graphs`` (None: wherever they run) for a run of this shape: ``path`` with
-    its graphs decided. ``runs_float8``: the PyTorch backend's layers run torchao float8."""
+    its graphs decided. ``runs_float8``: the PyTorch backend's layers run torchao float8.
+    ``step_graph_fits``: the memory estimate leaves room for FSDP2's step graph (its memory pool
+    stays held while an eager step after a validation allocates its own activations)."""
     ok, why = graphs_status(device_type, world_size, callbacks, sharded)
     if ok and sharded and backend != "te":
         # (not measured: under FSDP2 its compiled blocks kept the GPU's launch queue full)
         ok, why = False, "under FSDP2 only the TE backend's step is captured"
+    elif ok and sharded and activation_checkpointing == "full":
+        # te.checkpoint saves the CUDA RNG state in forward, which a capture forbids
+        ok, why = False, ("full activation checkpointing saves the CUDA RNG state, which a "
+                          "captured step cannot (mlp can)")
+    elif ok and sharded and not step_graph_fits:
+        ok, why = False, ("the step's graph holds its memory beside the eager step after each "
+                          "validation, which the memory estimate says does not fit")
     elif ok and backend != "te":
         ok, why = _inductor_graphs_status(path, wanted, world_size, accumulate_grad_batches,
                                           runs_float8)

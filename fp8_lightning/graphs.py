@@ -288,6 +288,9 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),
         return False, "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
     if sharded:  # FSDP2 gathers a block's weights into storage it frees and allocates again,
         # where a block's own replay would not see them: the whole step is one graph there
+        if any(type(c).__name__ == "FaultInjection" for c in callbacks):
+            return False, ("FaultInjection's hooks on the embedding run in Python, not in a "
+                           "replay of the whole step")
         return True, "FSDP2, the whole step as one graph (fp8_lightning/step_graph.py)"
     # DDP: its all-reduce runs in autograd hooks after each captured block's backward
     return True, "one GPU" if world_size == 1 else "DDP, a graph per block"

@@ -21,6 +21,7 @@ from .fp8.plugin import fp8_plugin
 from .layers import runs_float8
 from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
                     uncompile_model)
+from .step_graph import StepGraph
 from .te_support import te_status
 
 if TYPE_CHECKING:
@@ -165,6 +166,8 @@ class GPTLightningModule(L.LightningModule):
         # Under FSDP2: would the run fit one GPU unsharded (the memory estimate; None: not
         # estimated)? FSDP2Strategy keeps the weights gathered from forward to backward then.
         self.fits_one_gpu: Optional[bool] = None
+        # Under FSDP2: is there room for the step's CUDA graph (the memory estimate)?
+        self.step_graph_fits = True
         self.val_loss = MeanMetric()
         self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
         self._compile_checked = False  # a training step has run compiled
@@ -237,7 +240,7 @@ class GPTLightningModule(L.LightningModule):
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
         stop with the levers that would make it fit when it cannot (``model.memory_check``)."""
-        self.fits_one_gpu = None  # this fit's answer, or none
+        self.fits_one_gpu, self.step_graph_fits = None, True  # this fit's answers, or none
         trainer = self._trainer
         device = trainer.strategy.root_device if trainer is not None else None
         if device is None or device.type != "cuda" or not trainer.training:
@@ -260,6 +263,9 @@ class GPTLightningModule(L.LightningModule):
             self.fits_one_gpu = estimate_memory(c, replace(run, shards=1)).total <= budget
             setting = getattr(trainer.strategy, "reshard_after_forward", True)
             run = replace(run, keep_gathered=not reshards(setting, self.fits_one_gpu))
+        if run.gradients_kept:  # the graph's pool beside the eager step after a validation
+            estimate = estimate_memory(c, run)
+            self.step_graph_fits = estimate.total + estimate.activations <= budget
         rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
                        f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
                        "(fp8_lightning/memory.py)")
@@ -329,7 +335,8 @@ class GPTLightningModule(L.LightningModule):
             callbacks=trainer.callbacks if trainer is not None else [],
             accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
             activation_checkpointing=self.hparams.activation_checkpointing,
-            runs_float8=self.model is not None and runs_float8(self.model))
+            runs_float8=self.model is not None and runs_float8(self.model),
+            step_graph_fits=self.step_graph_fits)
         if wanted and path.graphs is None:
             rank_zero_warn(f"{path.graphs_why}; running without")
         rank_zero_info("CUDA graphs: " + (f"on, {GRAPHS_HOW[path.graphs]}" if path.graphs else
@@ -401,24 +408,29 @@ class GPTLightningModule(L.LightningModule):
             self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
                                           trainer.accumulate_grad_batches if trainer else 1,
                                           per_block=graphs == "per-block")
-        if self.compiled and not self._compile_checked:
-            try:
-                loss = self.model(x, y)
-            except Exception as err:  # noqa: BLE001 - a failed compilation falls back, said why
-                uncompile_model(self.model)
-                self.compiled = None
-                message = " ".join(str(err).split())[:300]
-                why = f"torch.compile failed ({type(err).__name__}: {message})"
-                self.fast_path = self.fast_path.without_compile(why) if self.fast_path else None
-                rank_zero_warn(f"compile: {why}; training eagerly")
-                loss = self.model(x, y)
-                self._cudagraphed = False
-            self._compile_checked = self.training
-        else:
-            loss = self.model(x, y)
+        loss = self._model_loss(x, y)
         # A replay's outputs live in the CUDA graphs' memory pool, which the next replay
         # overwrites: the loss that Lightning logs and keeps is a copy.
         return (loss.clone() if self._cudagraphed else loss), y.numel()
+
+    def _model_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's loss; the first compiled training call steps back to eager, with its
+        reason, where the compilation fails."""
+        if not self.compiled or self._compile_checked:
+            return self.model(x, y)
+        try:
+            loss = self.model(x, y)
+        except Exception as err:  # noqa: BLE001 - a failed compilation falls back, said why
+            uncompile_model(self.model)
+            self.compiled = None
+            message = " ".join(str(err).split())[:300]
+            why = f"torch.compile failed ({type(err).__name__}: {message})"
+            self.fast_path = self.fast_path.without_compile(why) if self.fast_path else None
+            rank_zero_warn(f"compile: {why}; training eagerly")
+            loss = self.model(x, y)
+            self._cudagraphed = False
+        self._compile_checked = self.training
+        return loss
 
     def tokenizer_problem(self, used: Optional[str]) -> Optional[str]:
         """With ``model.init_from``: the data's tokenizer ``used`` must be the one the weights were
@@ -462,15 +474,13 @@ class GPTLightningModule(L.LightningModule):
         """The fast path ``"step"`` (under FSDP2): forward and backward of a micro-batch in one
         CUDA graph (:mod:`fp8_lightning.step_graph`), the forward in the precision plugin's
         autocast; :meth:`backward` then has nothing left to do. The loss, and the tokens."""
-        from .step_graph import StepGraph
-
         trainer = self.trainer
         precision = trainer.precision_plugin
         accumulate = trainer.accumulate_grad_batches
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             with precision.forward_context():
-                loss = self.model(x, y)
+                loss = self._model_loss(x, y)
             (loss / accumulate).backward()  # as Lightning scales an accumulated micro-batch
             return loss.detach()
 
@@ -479,7 +489,8 @@ class GPTLightningModule(L.LightningModule):
         if self._step_graph is None:
             self._step_graph = StepGraph(self.model)
         plugin = fp8_plugin(trainer)
-        key = (tuple(x.shape), plugin is not None and plugin.fp8_active)
+        # (the divisor is baked into a captured backward: another one is another graph)
+        key = (tuple(x.shape), accumulate, plugin is not None and plugin.fp8_active)
         loss = self._step_graph(step, x, y, key)
         self._backward_done = True
         return loss, y.numel()
@@ -494,6 +505,7 @@ class GPTLightningModule(L.LightningModule):
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         step_graph = self.fast_path is not None and self.fast_path.graphs == "step"
+        self._backward_done = False  # (a backward Lightning skipped leaves none pending)
         loss, tokens = self.step_with_backward(batch) if step_graph else self.loss(batch)
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on

@@ -19,6 +19,7 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ class StepGraph:
     cuBLAS on these shapes) and replayed after; another key runs eagerly and is captured anew."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.key: Optional[tuple] = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.loss: Optional[torch.Tensor] = None
-        self.failed: Optional[str] = None
+        # (parameter, the gradient tensor the graph adds into), from the capture
+        self.grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         # An eager forward between replays (validation, a text sample) leaves the units that keep
         # their weights after forward gathered, and FSDP2 believing so: the next step runs eagerly,
         # so that FSDP2's own backward frees them, as the replays expect (a replay would leave
@@ -62,7 +65,7 @@ class StepGraph:
             self._stepping = False
 
     def _step(self, step: Step, x: torch.Tensor, y: torch.Tensor, key: tuple) -> torch.Tensor:
-        if self.failed is not None or x.device.type != "cuda":  # (graphs need a GPU)
+        if x.device.type != "cuda":  # (graphs need a GPU; the eager step computes the same)
             return step(x, y)
         if key != self.key:  # first use, or another shape / FP8 state: eager, captured next time
             self.release()
@@ -71,15 +74,16 @@ class StepGraph:
             # (the loss) compiles again inside the capture
             self.inputs = (x.clone(), y.clone())
             return step(*self.inputs)
-        if self.eager_next:
-            self.eager_next = False
-            return step(x, y)
-        if self.graph is None:
-            self._capture(step, x)
-            if self.graph is None:
-                return step(x, y)
         self.inputs[0].copy_(x)
         self.inputs[1].copy_(y)
+        if self.eager_next:
+            self.eager_next = False
+            return step(*self.inputs)
+        if self.graph is None:
+            self._capture(step, x)
+        for param, grad in self.grads:
+            if param.grad is not grad:  # dropped (zero_grad(set_to_none=True)): zero, not None
+                param.grad = grad.zero_()
         self.graph.replay()
         return self.loss.clone()  # the next replay overwrites the graph's own
 
@@ -90,19 +94,22 @@ class StepGraph:
             # thread_local: NCCL's watchdog thread polls its events meanwhile, which is legal
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.loss = step(*self.inputs)
-        except Exception as err:  # noqa: BLE001 - training goes on eagerly, and says why
-            self.failed = " ".join(str(err).split())[:300]
-            self.graph, self.loss = None, None
-            log.warning("CUDA graphs: capturing the step failed (%s: %s); training without them",
-                        type(err).__name__, self.failed)
-            return
+        except Exception as err:
+            # Not eager from here: the step stopped halfway through FSDP2's gathers and TE's
+            # amax bookkeeping, and the other ranks may have captured theirs.
+            message = " ".join(str(err).split())[:300]
+            raise RuntimeError(f"capturing the training step as a CUDA graph failed "
+                               f"({type(err).__name__}: {message}); model.cuda_graphs: false "
+                               "trains without it") from err
         self.graph = graph
-        log.info("CUDA graphs: the step's forward and backward captured for micro-batch %s (%s)",
-                 "x".join(map(str, x.shape)), "FP8" if self.key[-1] else "BF16")
+        self.grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        rank_zero_only(log.info)("CUDA graphs: the step's forward and backward captured for "
+                                 "micro-batch %s (%s)", "x".join(map(str, x.shape)),
+                                 "FP8" if self.key[-1] else "BF16")
 
     def release(self) -> None:
         """Free the graph and its memory pool (training goes on eagerly until captured again)."""
-        self.graph, self.inputs, self.loss, self.key = None, (), None, None
+        self.graph, self.inputs, self.loss, self.key, self.grads = None, (), None, None, []
 
     def remove(self) -> None:
         """:meth:`release`, and stop watching the model's forward."""

@@ -19,6 +19,10 @@ class FP8Stats:  # graphs_status knows the callback by its class name (no TE imp
     pass
 
 
+class FaultInjection:  # (by class name, as FP8Stats)
+    pass
+
+
 def test_compile_is_on_on_a_gpu_off_on_a_cpu_and_te_under_fsdp2_compiles_only_the_loss(monkeypatch):
     # (this machine may lack Triton, which a GPU's compile needs: the GPU's answer stands in)
     monkeypatch.setattr(fast_path_lib, "compile_status", lambda device: (True, "torch.compile works here"))
@@ -68,6 +72,13 @@ def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
     (None, dict(device_type="cpu"), "CUDA graphs need a GPU"),
     (None, dict(backend="torch", world_size=2, sharded=True), "only the TE backend's step"),
     (None, dict(world_size=2, sharded=True, callbacks=[FP8Stats()]), "FP8Stats"),
+    # what a capture of the whole step under FSDP2 cannot hold, or has no memory for
+    (None, dict(world_size=2, sharded=True, activation_checkpointing="full"),
+     "full activation checkpointing saves the CUDA RNG state"),
+    (None, dict(world_size=2, sharded=True, callbacks=[FaultInjection()]),
+     "FaultInjection's hooks on the embedding run in Python"),
+    (None, dict(world_size=2, sharded=True, step_graph_fits=False),
+     "the memory estimate says does not fit"),
     (None, dict(callbacks=[FP8Stats()]), "FP8Stats"),
     (None, dict(activation_checkpointing="full"), "activation checkpointing"),
     (None, dict(backend="torch"), "BF16 on the PyTorch backend is compiled without them"),

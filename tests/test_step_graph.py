@@ -1,7 +1,7 @@
 """The fast path ``"step"`` (TE under FSDP2, fp8_lightning/step_graph.py): the training step runs
 a micro-batch's forward, in the precision plugin's autocast, and its backward itself; the plugin
 leaves the autocast to it and Lightning's backward has nothing left to do. On the CPU the step
-runs eagerly (capturing it needs a GPU: tests/test_gpu_ddp.py replays it): what is checked here
+runs eagerly (capturing it needs a GPU: tests/test_gpu_fast_path.py replays it): what is checked here
 is that Lightning's loop around it trains exactly as around its own backward."""
 
 from dataclasses import replace
