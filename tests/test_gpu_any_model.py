@@ -202,7 +202,7 @@ def test_a_block_the_policy_keeps_bf16_runs_eagerly_and_the_others_replay(tmp_pa
     """bf16_first_layers=1: the first block's call runs outside FP8 (the policy's hooks), so it
     is not captured (a graph captured in FP8 would never replay); the other three replay."""
     module, _ = build("nanogpt", tmp_path)
-    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+    with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
         trainer, plugin = fit(module, 30, tmp_path, "delayed", bf16_first_layers=1)
     assert plugin.fp8_active and plugin.graphs.status == "ready"
     assert "3 of the model's 4 blocks captured" in caplog.text
@@ -358,7 +358,7 @@ def test_compile_blocks_captures_compiled_blocks_that_train_as_the_eager_ones(ar
     losses = {}
     for compiled in (False, True):
         module, _ = build(arch, tmp_path, use_cache=False)
-        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
             trainer, plugin = fit(module, 30, tmp_path, "delayed", compile_blocks=compiled)
         losses[compiled] = float(trainer.callback_metrics["train/loss"])
         assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) \

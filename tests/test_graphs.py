@@ -33,7 +33,7 @@ def test_one_gpu_replays_the_stack_ddp_a_graph_per_block_and_fsdp2_the_step():
 # ------------------------------------------------------------- another model's blocks (recorded)
 import torch  # noqa: E402
 
-from fp8_lightning.graphs import ModelBlockGraphs, _Call  # noqa: E402
+from fp8_lightning.own_model_graphs import ModelBlockGraphs, _Call  # noqa: E402
 from tests._runs import load_script  # noqa: E402
 
 
@@ -130,7 +130,7 @@ class TinyBlock(torch.nn.Module):  # importable, so that pickle can find it
 def captured(block, x):
     """``block`` as a capture leaves it, with a stand-in for its graph (a real one needs a GPU)
     that answers "replayed"."""
-    from fp8_lightning.graphs import _SLOT, _Call, _Replay, _captured_forward
+    from fp8_lightning.own_model_graphs import _SLOT, _Call, _Replay, _captured_forward
 
     owner = ModelBlockGraphs([block])
     owner.remove()
@@ -174,7 +174,7 @@ def test_a_replay_waits_for_its_backward_or_the_step_end_and_other_calls_run_eag
         assert block(x) == "replayed"
         assert torch.equal(block(x), type(block).forward(block, x))  # the first's still live
         owner.step_end()
-        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
             assert block(x) == "replayed"
             owner.step_end()
             assert isinstance(block(x[:, :8]), torch.Tensor)
@@ -192,7 +192,7 @@ def test_cached_fp8_weights_are_cast_at_a_steps_first_replay_and_reused_until_th
     torch.optim step (a fused AdamW writes the weights without moving their version counters)
     or another in-place change (a load); the step's other micro-batches reuse the cast, the
     flag at 1."""
-    from fp8_lightning.graphs import _SLOT
+    from fp8_lightning.own_model_graphs import _SLOT
 
     torch.manual_seed(0)
     block = TinyBlock()
@@ -284,7 +284,7 @@ def test_graphs_captured_in_another_fp8_state_are_recorded_again_after_a_few_for
     owner.fp8 = True
     owner.before_step()
     assert owner.status == "ready"
-    with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+    with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
         for _ in range(ModelBlockGraphs.WAIT - 1):
             owner.before_step()
     assert owner.status == "recording" and "forward" not in block.__dict__
@@ -301,7 +301,7 @@ def test_fp8_switched_between_recording_and_capture_records_again_then_gives_up(
         with graphs.training_forward():
             block(torch.randn(2, 16, 32))
         graphs.calls[0].fp8 = True  # recorded under FP8; the step now runs in BF16
-        with caplog.at_level("INFO", logger="fp8_lightning.graphs"):
+        with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
             graphs.before_step()
         if attempt < ModelBlockGraphs.WAIT:
             assert graphs.status == "recording" and graphs.calls == {}
@@ -330,10 +330,10 @@ class Block(torch.nn.Module):
 
 
 def test_compiled_block_forwards_leave_te_layers_to_eager_and_compile_every_block():
-    """compile_blocks' Dynamo setting (graphs.dynamo_around): each block's forward compiled
+    """compile_blocks' Dynamo setting (own_model_graphs.dynamo_around): each block's forward compiled
     around its TE layers (each called, not traced: here a stand-in), every block compiled,
     more blocks than Dynamo's default recompile limit, the same numbers as eager."""
-    from fp8_lightning.graphs import dynamo_around
+    from fp8_lightning.own_model_graphs import dynamo_around
 
     torch._dynamo.reset()
     blocks = [Block() for _ in range(12)]
@@ -364,7 +364,8 @@ def test_compiled_blocks_are_primed_for_the_capture_after_te_s_warm_up(primed):
     the capture calls it without. prime_compiled (TE's post_warmup_hook) compiles for the
     capture's calls, forward and backward, so the "capture" (here: the same calls, any compile
     an error) compiles nothing; unprimed, it would recompile mid-capture."""
-    from fp8_lightning.graphs import _BoundBlock, dynamo_around, prime_compiled
+    from fp8_lightning.graphs import prime_compiled
+    from fp8_lightning.own_model_graphs import _BoundBlock, dynamo_around
 
     torch._dynamo.reset()
     blocks = [Block() for _ in range(3)]

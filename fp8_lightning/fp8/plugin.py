@@ -92,7 +92,7 @@ class FP8PrecisionBase(FabricPrecision):
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
         cuda_graphs: TE engine, a model this package did not build (a user's module, a Hugging
             Face model): replay each of its transformer blocks as a CUDA graph, captured at the
-            second training step from the first one's calls (:class:`~fp8_lightning.graphs.
+            second training step from the first one's calls (:class:`~fp8_lightning.own_model_graphs.
             ModelBlockGraphs`; a swapped ``te.Linear`` costs more host time than GPU time).
             Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
             options); a block it cannot replay runs eagerly, said why. With ``delayed`` the
@@ -466,7 +466,8 @@ class FP8PrecisionBase(FabricPrecision):
     def _plan_graphs(self, gpt: nn.Module) -> None:
         """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
         does not graph them itself."""
-        from ..graphs import ModelBlockGraphs, te_primes_after_warmup
+        from ..graphs import te_primes_after_warmup
+        from ..own_model_graphs import ModelBlockGraphs
         from ..model import GPT
 
         if self.graphs is not None:  # set up again: the same model's live graphs stay (they
