@@ -1,7 +1,7 @@
 """The CLI runners of the tests (a process, this process, a run that must fail with one
-``error:`` line); short quickstart fits through the CLI, run once per test session and shared by
-the console, monitor, generate and bad-input tests (each CLI fit costs tens of seconds on a small
-CPU); and the small vocabulary that fits which are not about the tokenizer train on."""
+``error:`` line); short quickstart fits through the CLI, run once per test run (for all xdist
+processes) and shared by the console, monitor, generate and bad-input tests (each CLI fit costs
+tens of seconds on a small CPU); and the small vocabulary that fits which are not about the tokenizer train on."""
 
 import os
 import signal
@@ -30,13 +30,14 @@ def load_script(path: str):
     return module
 
 
-def run_cli(*args, timeout=600):
-    """``python -m fp8_lightning ARGS`` as a process from the repository root. Past ``timeout``
+def run_cli(*args, timeout=600, launcher=()):
+    """``python -m fp8_lightning ARGS`` as a process from the repository root (``launcher``:
+    arguments of python before ``-m fp8_lightning``, e.g. ``-m torch.distributed.run ...``). Past ``timeout``
     seconds (at most ``$FP8L_RUN_TIMEOUT`` where set, for a machine whose commands are
     time-limited) every process of the run, the launcher's ranks too, prints its Python stacks
     (faulthandler on SIGABRT) and the test fails with them: a hang says where it waits."""
     timeout = min(timeout, float(os.environ.get("FP8L_RUN_TIMEOUT", "inf")))
-    proc = subprocess.Popen([sys.executable, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "fp8_lightning", *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
     try:
@@ -166,20 +167,28 @@ def small_vocab(tmp_path_factory):
 
 def short_fit(tmp_path_factory, name, *overrides):
     """(run dir, CompletedProcess) of a 10-step quickstart fit: lines at steps 5 and 10, one
-    validation (2 batches) with a text sample at step 10, last.ckpt."""
+    validation (2 batches) with a text sample at step 10, last.ckpt. Run once per test run
+    (:func:`shared_dir`: the xdist processes share it; tests only read it)."""
     if name not in _RUNS:
-        out = tmp_path_factory.mktemp(name)
-        result = run_cli("fit", "--config", "configs/quickstart.yaml",
-                         "--trainer.max_steps", str(STEPS), "--trainer.val_check_interval", str(STEPS),
-                         "--trainer.log_every_n_steps", "5", "--trainer.limit_val_batches", "2",
-                         "--trainer.default_root_dir", str(out), *overrides)
-        assert result.returncode == 0, result.stderr[-3000:]
-        _RUNS[name] = (out, result)
+        def make(path):
+            result = run_cli("fit", "--config", "configs/quickstart.yaml",
+                             "--trainer.max_steps", str(STEPS), "--trainer.val_check_interval",
+                             str(STEPS), "--trainer.log_every_n_steps", "5",
+                             "--trainer.limit_val_batches", "2",
+                             "--trainer.default_root_dir", str(path / "run"), *overrides)
+            assert result.returncode == 0, result.stderr[-3000:]
+            (path / "stdout.txt").write_text(result.stdout)
+            (path / "stderr.txt").write_text(result.stderr)
+
+        path = shared_dir(tmp_path_factory, f"fit-{name}", make)
+        result = subprocess.CompletedProcess(["fit", name], 0, (path / "stdout.txt").read_text(),
+                                             (path / "stderr.txt").read_text())
+        _RUNS[name] = (path / "run", result)
     return _RUNS[name]
 
 
 def small_vocab_fit(tmp_path_factory):
-    """:func:`short_fit` on :func:`small_vocab`, once per test process."""
+    """:func:`short_fit` on :func:`small_vocab`, once per test run."""
     return short_fit(tmp_path_factory, "small_vocab", *small_vocab(tmp_path_factory))
 
 
@@ -188,16 +197,55 @@ BATCH = 2  # sequences per rank and step: small, the point is the processes, not
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
 
 
-def fit_ranks(root, data, *args, devices=2, config=None):
+# The multi-node recipe of the README, on one node: torchrun starts the processes, Lightning takes
+# rank and world size from their environment.
+TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node")
+
+
+def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=None):
     """A quickstart fit of ``devices`` CPU processes (``config``: the strategy's overlay) through
-    the CLI on ``data`` (the ``small_vocab`` arguments); its output."""
+    the CLI on ``data`` (the ``small_vocab`` arguments); its output. Lightning starts the
+    processes, or with ``torchrun`` torchrun does (``--trainer.num_nodes 1`` as in the README).
+    Without ``config``, one process; with ``capsys`` this one (:func:`run_main`: no Python to
+    start, for the runs where the process is not what is tested)."""
     extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
              str(devices)] if config else []
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *extra, *data,
-                     "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
-                     "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
-                     "--trainer.callbacks.init_args.every_n_train_steps", "3",
-                     "--data.batch_size", str(BATCH), *args)
+    launcher = (*TORCHRUN, str(devices)) if torchrun else ()
+    if torchrun:
+        extra += ["--trainer.num_nodes", "1"]
+    argv = ["fit", "--config", "configs/quickstart.yaml", *extra, *data,
+            "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+            "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
+            "--trainer.callbacks.init_args.every_n_train_steps", "3",
+            "--data.batch_size", str(BATCH), *args]
+    if capsys is not None:
+        assert not config, "several processes run through the CLI's process"
+        import logging
+
+        class Lines(logging.Handler):  # the log lines a process would print on stderr
+            def emit(self, record):
+                if record not in records:  # (one record can reach two of the loggers below)
+                    records.append(record)
+                    lines.append(self.format(record))
+
+        # Lightning's loggers may not propagate to the root (it gives them a handler of their
+        # own when it is imported before the root has one): listen to each
+        loggers = [logging.getLogger(name) for name in ("", "lightning.pytorch",
+                                                        "lightning.fabric", "fp8_lightning")]
+        records, lines, handler, cwd = [], [], Lines(logging.INFO), os.getcwd()
+        for logger in loggers:
+            logger.addHandler(handler)
+        os.chdir(ROOT)
+        try:
+            code, out, err = run_main(capsys, argv)
+        finally:
+            os.chdir(cwd)
+            for logger in loggers:
+                logger.removeHandler(handler)
+        log = "\n".join([out, err, *lines])
+        assert code == 0, log[-5000:]
+        return log
+    result = run_cli(*argv, launcher=launcher)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 

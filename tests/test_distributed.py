@@ -1,6 +1,6 @@
 """Several processes on the CPU (gloo): DDP through the CLI and the shipped config, a torchrun
-launch, one process emulating two ranks, and the NaN guard's cross-rank decision. FSDP2:
-tests/test_fsdp2.py.
+launch (the resume of the DDP run), one process emulating two ranks, and the NaN guard's
+cross-rank decision. FSDP2: tests/test_fsdp2.py.
 
 The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
 not the tokenizer."""
@@ -17,21 +17,39 @@ def digests(path):
     return {p.name: p.read_text() for p in sorted(Path(path).glob("rank*.txt"))}
 
 
+def samples_per_step(path):
+    """What ``tests.helpers.BatchLog`` wrote (every rank into the same file): each optimizer
+    step's sample hashes, sorted."""
+    import json
+
+    steps = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).extend(row["samples"])
+    return {step: sorted(s) for step, s in steps.items()}
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory, small_vocab):
+    """Two DDP fits on two CPU processes, each process launch shared by several tests: a 6-step
+    run that Lightning starts (a fault on rank 1 at step 2; every rank's batches logged), and its
+    resume to step 9 started by torchrun, the README's multi-node recipe on one node."""
     root = tmp_path_factory.mktemp("ddp")
     first = fit_ranks(root, small_vocab, "--trainer.max_steps", "6",
                       "--trainer.callbacks+=fp8_lightning.FaultInjection",
                       "--trainer.callbacks.kind", "grad", "--trainer.callbacks.steps", "[2]",
                       "--trainer.callbacks.ranks", "[1]",
                       "--trainer.callbacks+=tests.helpers.RankDigest",
-                      "--trainer.callbacks.path", str(root / "digest1"), config="configs/ddp.yaml")
+                      "--trainer.callbacks.path", str(root / "digest1"),
+                      "--trainer.callbacks+=tests.helpers.BatchLog",
+                      "--trainer.callbacks.path", str(root / "batches.jsonl"),
+                      config="configs/ddp.yaml")
     second = fit_ranks(root, small_vocab, "--trainer.max_steps", "9", "--ckpt_path", "last",
                        "--trainer.callbacks+=tests.helpers.RankDigest",
                        "--trainer.callbacks.path", str(root / "digest2"),
                        "--trainer.callbacks+=tests.helpers.StrategySettings",
                        "--trainer.callbacks.path", str(root / "settings"),
-                       config="configs/ddp.yaml")
+                       config="configs/ddp.yaml", torchrun=True)
     return root, first, second
 
 
@@ -65,57 +83,37 @@ def test_ddp_applies_the_overlays_bucket_settings_on_every_rank(ddp_runs):
                         "find_unused_parameters": False}
 
 
-def test_torchrun_launch_is_picked_up_by_lightning(tmp_path, small_vocab):
-    # The multi-node recipe of the README, on one node: torchrun starts the processes and
-    # Lightning takes rank and world size from its environment (it does not spawn its own).
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-         "-m", "fp8_lightning", "fit", "--config", "configs/quickstart.yaml",
-         "--config", "configs/ddp.yaml", *small_vocab, "--trainer.accelerator", "cpu",
-         "--trainer.devices", "2",
-         "--trainer.num_nodes", "1", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
-         "--data.batch_size", str(BATCH),
-         "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(tmp_path)],
-        cwd=ROOT, text=True, capture_output=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = result.stdout + result.stderr
-    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log
-    ckpt = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
-    assert ckpt["global_step"] == 3 and ckpt["tokens_seen"] == 3 * TOKENS_PER_STEP * 2
+def test_torchrun_launch_is_picked_up_by_lightning(ddp_runs):
+    """The multi-node recipe of the README, on one node (the fixture's resumed run): torchrun
+    starts the processes and Lightning takes rank and world size from its environment (it does
+    not spawn its own): two ranks, whose every step counts both."""
+    root, _, second = ddp_runs
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in second
+    ckpt = load_checkpoint_file(root / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 9 and ckpt["tokens_seen"] == 9 * TOKENS_PER_STEP * 2
+    assert len(digests(root / "digest2")) == 2  # two processes, not 2 x 2
 
 
-def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(tmp_path, small_vocab):
+def test_one_process_emulating_two_ranks_sees_exactly_the_ddp_samples(ddp_runs, tmp_path,
+                                                                      small_vocab, capsys):
     """data.emulate_ranks: the single-device reference for a multi-GPU run reads, at every
-    optimizer step, the very samples the ranks of that run read (so their losses can be compared)."""
-    import json
-
-    small = ["--trainer.max_steps", "4", "--data.batch_size", "4", "--data.num_workers", "1",
-             "--trainer.limit_val_batches", "0", "--trainer.callbacks+=tests.helpers.BatchLog"]
-
-    def samples_per_step(path):
-        steps = {}
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            steps.setdefault(row["step"], []).extend(row["samples"])
-        return {step: sorted(s) for step, s in steps.items()}
-
-    fit_ranks(tmp_path / "ddp", small_vocab, *small, "--trainer.callbacks.path",
-              str(tmp_path / "ddp.jsonl"), config="configs/ddp.yaml")
-    log = fit_ranks(tmp_path / "one", small_vocab, *small, "--trainer.callbacks.path",
+    optimizer step, the very samples the ranks of that run read (so their losses can be compared;
+    here the fixture's first DDP run, two ranks of BATCH samples). The one-process fits run in
+    this process: the data order is under test, not the launch."""
+    ddp = samples_per_step(ddp_runs[0] / "batches.jsonl")
+    log = fit_ranks(tmp_path / "one", small_vocab, "--trainer.max_steps", "6",
+                    "--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path",
                     str(tmp_path / "one.jsonl"), "--data.emulate_ranks", "2",
-                    "--trainer.accumulate_grad_batches", "2")
+                    "--trainer.accumulate_grad_batches", "2", capsys=capsys)
     assert "emulating 2 data-parallel ranks" in log
-    ddp, one = samples_per_step(tmp_path / "ddp.jsonl"), samples_per_step(tmp_path / "one.jsonl")
-    assert sorted(ddp) == sorted(one) == [0, 1, 2, 3]
-    assert all(len(ddp[s]) == 8 for s in ddp)  # 2 ranks x 4
+    one = samples_per_step(tmp_path / "one.jsonl")
+    assert sorted(ddp) == sorted(one) == [0, 1, 2, 3, 4, 5]
+    assert all(len(ddp[s]) == 2 * BATCH for s in ddp)  # 2 ranks x BATCH
     assert ddp == one
     # A normal run (no emulation) reads another order: the comparison above is not vacuous.
-    fit_ranks(tmp_path / "plain", small_vocab, *small[:-1], "--data.batch_size", "8",
-              "--trainer.callbacks+=tests.helpers.BatchLog", "--trainer.callbacks.path",
-              str(tmp_path / "plain.jsonl"))
+    fit_ranks(tmp_path / "plain", small_vocab, "--trainer.max_steps", "6", "--data.batch_size",
+              str(2 * BATCH), "--trainer.callbacks+=tests.helpers.BatchLog",
+              "--trainer.callbacks.path", str(tmp_path / "plain.jsonl"), capsys=capsys)
     assert samples_per_step(tmp_path / "plain.jsonl") != ddp
 
 

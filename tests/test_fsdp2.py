@@ -176,9 +176,10 @@ def test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_
         for p in group["params"]:
             assert optimizer.state[p]["exp_avg"].shape == p.shape
             assert int(optimizer.state[p]["step"]) == 9
-    # One process, no strategy: training continues from step 9 with that optimizer state.
+    # One process, no strategy (this one: the checkpoint is under test, not the launch):
+    # training continues from step 9 with that optimizer state.
     log = fit_ranks(tmp_path / "single", small_vocab, "--trainer.max_steps", "10",
-                    "--ckpt_path", str(out))
+                    "--ckpt_path", str(out), capsys=capsys)
     assert "Restored all states from the checkpoint" in log and "(verified)" in log
     # generate reads the sharded directory directly.
     capsys.readouterr()
@@ -231,11 +232,13 @@ def test_fsdp_sharded_checkpoint_errors(fsdp_runs, tmp_path, capsys):
 
 
 def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "torch",
-                  fp8: bool = False, **shard: Any) -> None:
+                  fp8: bool = False, also: tuple = (), **shard: Any) -> None:
     """One of two ranks (gloo on the CPU, NCCL on two GPUs): a tiny Llama sharded with FSDP2 per
     block as FSDP2Strategy shards it (BF16 gathers, fp32 reduction; ``shard``: more arguments of
     ``shard_model``), one step per activation-checkpointing mode under BF16 autocast (TE: FP8
-    delayed scaling with ``fp8``); rank 0 saves each mode's loss and full gradients."""
+    delayed scaling with ``fp8``); rank 0 saves each mode's loss and full gradients. ``also``:
+    more ``(modes, shard)`` layouts, run the same way in the same processes (one launch), their
+    results saved after the first's, in a list."""
     import contextlib
     import os
 
@@ -261,8 +264,11 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
 
         return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling())
 
-    results = {}
-    for mode in modes:
+    layouts = [(modes, shard), *also]
+    results = [{} for _ in layouts]
+    runs = [(mode, layout, result) for (layout_modes, layout), result in zip(layouts, results)
+            for mode in layout_modes]
+    for mode, shard, result in runs:  # (shard: this layout's)
         torch.manual_seed(0)
         # 16-aligned GEMM dims, as FP8 needs
         config = GPTConfig(name="tiny-llama", n_layer=2, n_embd=128, ffn_hidden=256,
@@ -276,10 +282,10 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
             with torch.autocast(device, dtype=torch.bfloat16), fp8_context():
                 loss = model(idx[:, :-1], idx[:, 1:])
             loss.backward()
-        results[mode] = {"loss": loss.detach().cpu(),
-                         **{n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
+        result[mode] = {"loss": loss.detach().cpu(),
+                        **{n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
     if rank == 0:
-        torch.save(results, out)
+        torch.save(results if also else results[0], out)
     # both ranks past their last collective before gloo's threads go: one rank tearing down
     # while the other still ran one aborted it once ("terminate called without an active
     # exception", SIGABRT) in a CPU suite run
@@ -288,7 +294,8 @@ def sharded_grads(rank: int, port: int, out: str, modes: tuple, backend: str = "
 
 
 def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
-    """:func:`sharded_grads` on two spawned ranks; rank 0's results."""
+    """:func:`sharded_grads` on two spawned ranks; rank 0's results (with ``also``: a list, one
+    per layout)."""
     import tempfile
     import functools
     import socket
@@ -305,9 +312,19 @@ def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def per_block_grads(tmp_path_factory) -> dict:
+def two_rank_grads(tmp_path_factory) -> tuple:
+    """:func:`sharded_grads` on two gloo ranks (one launch for both layouts): a block a unit,
+    each block freed after forward (modes none, full, mlp); and both blocks in one unit, kept
+    gathered between forward and backward (modes none, full)."""
+    return tuple(run_two_ranks(tmp_path_factory.mktemp("grads"), ("none", "full", "mlp"),
+                               also=((("none", "full"), dict(blocks_per_unit=2,
+                                                              reshard_after_forward=False)),)))
+
+
+@pytest.fixture(scope="module")
+def per_block_grads(two_rank_grads) -> dict:
     """:func:`sharded_grads` on two gloo ranks, a block a unit, each block freed after forward."""
-    return run_two_ranks(tmp_path_factory.mktemp("grads"), ("none", "full", "mlp"))
+    return two_rank_grads[0]
 
 
 def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradients(
@@ -322,14 +339,13 @@ def test_activation_checkpointing_under_fsdp2_on_two_ranks_gives_the_same_gradie
 
 
 def test_blocks_grouped_in_one_fsdp2_unit_and_kept_gathered_give_the_same_gradients(
-        per_block_grads, tmp_path):
+        two_rank_grads):
     """FSDP2Strategy(blocks_per_unit, reshard_after_forward=False): both blocks gathered and
     reduced as one unit and not freed between forward and backward change when the collectives
     run, not what they compute: the same loss and gradients, exactly (two gloo ranks), with and
     without activation checkpointing."""
-    per_block = per_block_grads
-    grouped = run_two_ranks(tmp_path, ("none", "full"), blocks_per_unit=2,
-                            reshard_after_forward=False)
+    per_block, grouped = two_rank_grads
+    assert grouped.keys() == {"none", "full"}
     for mode in ("none", "full"):
         assert per_block[mode].keys() == grouped[mode].keys()
         for name, value in per_block[mode].items():
