@@ -220,34 +220,40 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
             "--data.batch_size", str(BATCH), *args]
     if capsys is not None:
         assert not config, "several processes run through the CLI's process"
-        import logging
-
-        class Lines(logging.Handler):  # the log lines a process would print on stderr
-            def emit(self, record):
-                if record not in records:  # (one record can reach two of the loggers below)
-                    records.append(record)
-                    lines.append(self.format(record))
-
-        # Lightning's loggers may not propagate to the root (it gives them a handler of their
-        # own when it is imported before the root has one): listen to each
-        loggers = [logging.getLogger(name) for name in ("", "lightning.pytorch",
-                                                        "lightning.fabric", "fp8_lightning")]
-        records, lines, handler, cwd = [], [], Lines(logging.INFO), os.getcwd()
-        for logger in loggers:
-            logger.addHandler(handler)
-        os.chdir(ROOT)
-        try:
-            code, out, err = run_main(capsys, argv)
-        finally:
-            os.chdir(cwd)
-            for logger in loggers:
-                logger.removeHandler(handler)
-        log = "\n".join([out, err, *lines])
+        code, log = run_main_logged(capsys, argv)
         assert code == 0, log[-5000:]
         return log
     result = run_cli(*argv, launcher=launcher)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
+
+
+def run_main_logged(capsys, argv):
+    """:func:`run_main` from the repository's root, with the log lines the process would print
+    on stderr: (exit status, stdout + stderr + log lines)."""
+    import logging
+
+    class Lines(logging.Handler):  # the log lines a process would print on stderr
+        def emit(self, record):
+            if record not in records:  # (one record can reach two of the loggers below)
+                records.append(record)
+                lines.append(self.format(record))
+
+    # Lightning's loggers may not propagate to the root (it gives them a handler of their
+    # own when it is imported before the root has one): listen to each
+    loggers = [logging.getLogger(name) for name in ("", "lightning.pytorch",
+                                                    "lightning.fabric", "fp8_lightning")]
+    records, lines, handler, cwd = [], [], Lines(logging.INFO), os.getcwd()
+    for logger in loggers:
+        logger.addHandler(handler)
+    os.chdir(ROOT)
+    try:
+        code, out, err = run_main(capsys, argv)
+    finally:
+        os.chdir(cwd)
+        for logger in loggers:
+            logger.removeHandler(handler)
+    return code, "\n".join([out, err, *lines])
 
 
 def rank_settings(root):

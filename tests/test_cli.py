@@ -78,16 +78,6 @@ def test_unknown_recipe_key_is_rejected(tmp_path, capsys):
     assert code != 0 and "interval" in err
 
 
-def test_prepare_command(tmp_path):
-    src = tmp_path / "corpus.txt"
-    src.write_text("A small corpus for the prepare command.\n" * 400)
-    result = run_cli("prepare", "--inputs", str(tmp_path / "*.txt"), "--output_dir", str(tmp_path / "ds"),
-                     "--seq_len", "63", "--val_fraction", "0.1")
-    assert result.returncode == 0, result.stderr
-    assert "prepare: 1 documents" in result.stderr + result.stdout
-    assert (tmp_path / "ds" / "train" / "index.json").is_file()
-
-
 def test_readme_commands_match_ci():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()

@@ -60,6 +60,8 @@ def test_fit_ends_with_a_summary_and_the_next_commands(tmp_path_factory):
 
 
 def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path):
+    """`python -m fp8_lightning prepare` (the CLI, two spawned workers) writes both splits and
+    prints a line per split and a summary, nothing else."""
     for name in ("a", "b"):  # two files and two (spawned) workers: both write to the console
         (tmp_path / f"{name}.txt").write_text(f"Corpus {name} for the console test.\n" * 300)
     out_dir = tmp_path / "ds"
@@ -76,6 +78,7 @@ def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path):
     assert re.fullmatch(rf"prepare: 2 documents, [\d,]+ train \+ [\d,]+ val tokens, \d+ shards -> "
                         rf"{re.escape(str(out_dir))}", lines[2]), lines
     assert len(lines) == 3, lines
+    assert all((out_dir / split / "index.json").is_file() for split in ("train", "val"))
 
 
 def test_model_summary_drops_flops_only_when_uncounted():

@@ -16,7 +16,7 @@ import torch
 
 from fp8_lightning.cli import EXTRA_COMMANDS
 from fp8_lightning.te_support import fallback_precision, te_status
-from tests._runs import run_main
+from tests._runs import run_main, run_main_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README and the user guides it links, read as one text
@@ -94,7 +94,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_gpu_safety.py::test_real_fp8_divergence_falls_back_recovers_and_reenables_fp8"),
     "python -m fp8_lightning prepare --inputs corpus/*.jsonl --output_dir data/mycorpus --text_field text "
     "--seq_len 1024 --val_fraction 0.01": (
-        "tests/test_cli.py::test_prepare_command", "tests/data/test_prepare.py::test_prepare_jsonl_puts_eot_between_documents"),
+        "tests/test_console.py::test_prepare_prints_one_line_per_split_and_a_summary",
+        "tests/data/test_prepare.py::test_prepare_jsonl_puts_eot_between_documents"),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --data.data_dir data/mycorpus": (
         GPU, "tests/test_readme.py::test_fit_commands_run_a_step"),  # as scripts/convergence.sh runs it
     # Hugging Face weights in and out: tiny GPT-2 and Llama directories built by transformers.
@@ -384,25 +385,24 @@ def test_quickstart_fp8_vs_bf16_comparison(tmp_path, capsys):
     def in_tmp(argv):
         return [a.replace("runs/", f"{tmp_path}/runs/", 1) if a.startswith("runs/") else a for a in argv]
 
-    def fit(argv):
-        result = subprocess.run([sys.executable, "-m", "fp8_lightning", "fit", *in_tmp(argv), *short],
-                                cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result
+    def fit(argv):  # in this process: the commands are under test, not Python's start-up
+        code, log = run_main_logged(capsys, ["fit", *in_tmp(argv), *short])
+        assert code == 0, log[-3000:]
+        return log
 
     fp8, bf16 = (fit(argv) for argv in quick)
     code, table, err = run_main(capsys, ["compare", *in_tmp(compare[:-1]), str(tmp_path / compare[-1])])
     assert code == 0, err
     assert (tmp_path / "quick_fp8_vs_bf16.png").is_file()
-    assert "precision: bf16-mixed" in bf16.stderr
+    assert "precision: bf16-mixed" in bf16
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in table.splitlines()
             if line.startswith(str(tmp_path))}
     fp8_row, bf16_row = rows[f"{tmp_path}/runs/quick_fp8"], rows[f"{tmp_path}/runs/quick_bf16"]
     assert bf16_row[1] == "bf16-mixed"
     if te_status()[0]:
-        assert "precision: FP8 delayed" in fp8.stderr and fp8_row[1].startswith("FP8")
+        assert "precision: FP8 delayed" in fp8 and fp8_row[1].startswith("FP8")
     else:  # the fallback: the fastest precision this machine has, said in the table
-        assert "FP8 is not available:" in fp8.stderr
+        assert "FP8 is not available:" in fp8
         if fallback_precision()[0] == "bf16-mixed":  # the BF16 computation itself: same losses
             assert fp8_row[1] == "BF16 (fallback)" and fp8_row[2:5] == bf16_row[2:5]
         else:  # a CPU without BF16 instructions trains FP32
