@@ -29,8 +29,9 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> loss, b
 
 class StepGraph:
     """A micro-batch's forward and backward (``step``), captured at the second call with the same
-    key (micro-batch shape, FP8 on or off; the first warms up eagerly: compiled pieces, NCCL and
-    cuBLAS on these shapes) and replayed after; another key runs eagerly and is captured anew."""
+    key (micro-batch shape, accumulation, FP8 on or off; the first warms up eagerly: compiled
+    pieces, NCCL and cuBLAS on these shapes) and replayed after; another key runs eagerly and is
+    captured anew. A capture that fails stops the run, saying how to train without it."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
