@@ -111,7 +111,7 @@ class RunShape:
     master_bytes: int = 4  # 4: fp32 master weights (bf16-mixed); 2: bf16-true
     compiled_loss: bool = True  # False: the eager loss materialises fp32 logits
     accumulate_grad_batches: int = 1
-    gradients_kept: bool = False  # held through the next forward (FSDP2's whole-step CUDA graph)
+    gradients_kept: bool = False  # held through the next forward (FSDP2's step graph, if it fits)
 
 
 def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:

@@ -231,11 +231,7 @@ class GPTLightningModule(L.LightningModule):
                         activation_checkpointing_every=hp.activation_checkpointing_every,
                         master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
                         compiled_loss=self.fast_path is not None and self.fast_path.compile,
-                        accumulate_grad_batches=trainer.accumulate_grad_batches,
-                        # the step's CUDA graph where it would be planned (plan_graphs decides
-                        # later, when training starts; a refusal there only overcounts here)
-                        gradients_kept=is_sharded(trainer.strategy) and self.backend_name == "te"
-                        and hp.cuda_graphs is not False)
+                        accumulate_grad_batches=trainer.accumulate_grad_batches)
 
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
@@ -263,9 +259,12 @@ class GPTLightningModule(L.LightningModule):
             self.fits_one_gpu = estimate_memory(c, replace(run, shards=1)).total <= budget
             setting = getattr(trainer.strategy, "reshard_after_forward", True)
             run = replace(run, keep_gathered=not reshards(setting, self.fits_one_gpu))
-        if run.gradients_kept:  # the graph's pool beside the eager step after a validation
-            estimate = estimate_memory(c, run)
-            self.step_graph_fits = estimate.total + estimate.activations <= budget
+        if run.shards > 1 and self.backend_name == "te" and hp.cuda_graphs is not False:
+            # FSDP2's step graph, where plan_graphs would capture it (it decides when training
+            # starts, told this): the gradients kept, and the graph's pool beside the eager
+            # step after a validation. Where it does not fit, the run trains without it.
+            graph = estimate_memory(c, replace(run, gradients_kept=True))
+            self.step_graph_fits = graph.total + graph.activations <= budget
         rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
                        f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
                        "(fp8_lightning/memory.py)")
