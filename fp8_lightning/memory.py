@@ -79,11 +79,11 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     head_gradient: float = 0.0  # the LM head's, written first in the backward
-    accumulate: bool = False  # gradient accumulation: gradients held beside the activations
+    gradients_held: bool = False  # through the forward (accumulation, FSDP2's step graph)
 
     @property
     def total(self) -> float:
-        if self.accumulate:
+        if self.gradients_held:
             return self.weights + self.optimizer + self.gradients + self.activations
         return self.weights + self.optimizer + max(self.activations + self.head_gradient,
                                                    self.gradients)
@@ -91,7 +91,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GIB:.1f}" for name in
                           ("weights", "gradients", "optimizer", "activations"))
-        how = "all four" if self.accumulate else "weights + optimizer + the larger of " \
+        how = "all four" if self.gradients_held else "weights + optimizer + the larger of " \
               "activations and gradients"
         return f"{self.total / GIB:.1f} GiB per GPU ({parts}; peak: {how})"
 
@@ -164,7 +164,7 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
                           activations=tokens * (kept + logits + 2 * r * h),  # + the final norm
                           # the LM head's gradient: whole (not yet reduce-scattered) under FSDP2
                           head_gradient=run.master_bytes * head_params,
-                          accumulate=run.accumulate_grad_batches > 1 or run.gradients_kept)
+                          gradients_held=run.accumulate_grad_batches > 1 or run.gradients_kept)
 
 
 def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) -> Optional[str]:

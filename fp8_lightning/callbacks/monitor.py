@@ -167,7 +167,7 @@ class TrainingMonitor(Callback):
         self._train_peak = 0.0
         self._val_peak: Optional[float] = None
         self._first_step: Optional[Progress] = None  # lines while the first step compiles
-        self._batches = 0  # training batches of this fit so far
+        self._first_batch = False  # this fit's first training batch is still to come
 
     # ------------------------------------------------------------------------- helpers
     def _peak_memory(self, pl_module: "L.LightningModule") -> float:
@@ -237,6 +237,7 @@ class TrainingMonitor(Callback):
         log_text(trainer, CONFIG_TEXT, config_table(trainer, pl_module))
         self._log_events(trainer)
         self._last_step = trainer.global_step
+        self._first_batch = True
         self._open_window(trainer, pl_module)
 
     @override
@@ -244,7 +245,7 @@ class TrainingMonitor(Callback):
                              batch: Any, batch_idx: int) -> None:
         # A compiled run's first step compiles (minutes for a large model, or on a small CPU):
         # a line every few seconds says it is working, not stuck.
-        first, self._batches = self._batches == 0, self._batches + 1
+        first, self._first_batch = self._first_batch, False
         if first and self.console and getattr(pl_module, "compiled", None):
             self._first_step = Progress("first training step: compiling",
                                         say=lambda line: console_print(trainer, line))

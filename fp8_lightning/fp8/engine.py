@@ -63,7 +63,8 @@ class Engine:
                           bf16_modules: dict[str, str]) -> tuple[list[tuple[nn.Module, str]], str]:
         """Before FSDP2 shards ``model``: make the weights of the GEMMs that will run FP8 gather
         as FP8; the ``(module, weight name)`` pairs made so, and what was done or why not."""
-        return [], self.gathers_float8(config["recipe"]) or "not implemented"
+        return [], (self.gathers_float8(config["recipe"])
+                    or f"engine {self.name} does not implement its FP8 all-gather")
 
     def context(self, fp8: bool, amax_group: Any = None) -> Any:
         """The forward context of a step (FP8 on or off)."""
