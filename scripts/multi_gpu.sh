@@ -57,7 +57,7 @@
 #                  VARIANTS8B_TP) on each of GPUS8B (default 2 4), 1 x 8192 per GPU, STEPS8B steps;
 #                  scaling against the fewest GPUs run
 # Env: OUT (default multi_gpu_out), PYTHON, DATA, STEPS (throughput steps, default 120), PRECISIONS
-# (default "fp8 bf16"), GPUS (default "2 4"), STRATEGIES (default "ddp fsdp"; also ddp-bf16grad:
+# (default "fp8 bf16"), GPUS (default "2 4"; empty: the one-GPU runs only), STRATEGIES (default "ddp fsdp"; also ddp-bf16grad:
 # gradients all-reduced in BF16; ddp-bN: DDP's gradient buckets of N MB (default 25); fsdp-keep / fsdp-reshard: reshard_after_forward false / true,
 # fsdp-g4: 4 blocks per FSDP2 unit, fsdp-eager / fsdp-compiled: model.compile false / true;
 # combined as fsdp-reshard-g1-compiled), COMPILE (unset:
@@ -66,7 +66,7 @@
 # and SETS (default none: one run after the other) the GPUs and GPU pairs the table jobs run on
 # at once, each pair with its own rendezvous port;
 # for the
-# 8B jobs DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
+# 8B jobs LLAMA (8b, default, or 3b: the same jobs on configs/llama3_3b_*.yaml), DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, R8_AT, R8_TO, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
@@ -79,7 +79,7 @@ OUT=${OUT:-multi_gpu_out}
 PYTHON=${PYTHON:-python}
 STEPS=${STEPS:-120}
 PRECISIONS=${PRECISIONS:-fp8 bf16}  # entries of precision_args
-GPUS=${GPUS:-2 4}  # the several-GPU counts (those this machine has)
+GPUS=${GPUS-2 4}  # the several-GPU counts (those this machine has); GPUS= (empty): none
 STRATEGIES=${STRATEGIES:-ddp fsdp}
 case ${SINGLE:-1} in 0|1) ;; *) echo "error: SINGLE=$SINGLE; valid: 1 (the one-GPU runs too) or 0" >&2; exit 2 ;; esac
 R8_AT=${R8_AT:-10} R8_TO=${R8_TO:-19}
@@ -347,6 +347,9 @@ resume() {  # FSDP2 (LOSS_GPUS), sharded checkpoints at 100 and 200; resume 100 
 
 # ---------------------------------------------------------------------------------- Llama-3-8B
 DEVICES8B=${DEVICES8B:-2}
+LLAMA=${LLAMA:-8b}  # 3b: the 8B jobs run the 3B-class configs (configs/llama3_3b_*.yaml) instead
+case $LLAMA in 8b) LLAMA_PRESET=llama3-8b ;; 3b) LLAMA_PRESET=llama3.2-3b ;;
+    *) echo "LLAMA=$LLAMA: 8b or 3b"; exit 2 ;; esac
 STEPS8B=${STEPS8B:-30}
 DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
@@ -357,11 +360,11 @@ data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once; 
 }
 
 llama() {  # llama NAME VARIANT DEVICES ARGS...: one 8B run (LAYERS cuts it)
-    local name=$1 variant=$2 devices=$3 cfg=configs/llama3_8b_fp8.yaml
+    local name=$1 variant=$2 devices=$3 cfg=configs/llama3_${LLAMA}_fp8.yaml
     shift 3
     local plugin=--trainer.plugins.init_args extra=()
     case $variant in
-        bf16)                 cfg=configs/llama3_8b_bf16.yaml ;;
+        bf16)                 cfg=configs/llama3_${LLAMA}_bf16.yaml ;;
         fp8-delayed)          ;;
         fp8-current|fp8-block) extra=("$plugin.recipe" "${variant#fp8-}") ;;
         fp8-current-bf16ends|fp8-delayed-bf16ends)
@@ -391,7 +394,7 @@ table8b() {  # one run per variant, same seed, data and global batch; val loss a
 
 t8() {  # t8 VARIANT: one run of the seed table (T8_ARGS: overrides for every run, e.g. fp8_eval)
     if [ "$1" = plain-bf16 ]; then  # the same model in benchmarks/plain_pytorch.py's loop, speed only
-        STEPS=${PLAIN8B_STEPS:-60} plain_run llama3-8b 1 fsdp "$DEVICES8B" t8-plain-bf16 \
+        STEPS=${PLAIN8B_STEPS:-60} plain_run "$LLAMA_PRESET" 1 fsdp "$DEVICES8B" t8-plain-bf16 \
             --activation_checkpointing "${PLAIN8B_AC:-mlp}" --warmup 20 ${LAYERS:+--n_layer $LAYERS}
         return
     fi
