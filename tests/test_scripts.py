@@ -273,6 +273,29 @@ def test_the_8b_seed_table_passes_t8_args_to_every_run(tmp_path):
     assert all(args.endswith("--trainer.plugins.init_args.fp8_eval true") for args in fits)
 
 
+def test_the_8b_jobs_run_the_3b_configs_and_preset_with_llama_3b(tmp_path):
+    """LLAMA=3b: table-8b's package runs read configs/llama3_3b_*.yaml and its plain-script row
+    builds the 3B preset; any other value is refused before a run starts."""
+    calls = multi_gpu_calls(tmp_path, "table-8b", "$*", LLAMA="3b",
+                            VARIANTS8B="bf16 fp8-delayed plain-bf16")
+    fits = [args for (args,) in calls if " fit " in args]
+    assert [("llama3_3b_bf16.yaml" in a, "llama3_3b_fp8.yaml" in a) for a in fits] == [
+        (True, False), (False, True)]
+    (plain,) = [args for (args,) in calls if "plain_pytorch" in args]
+    assert "--model llama3.2-3b " in plain
+    refused = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"],
+                             capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, LLAMA="70b", OUT=str(tmp_path / "o2")))
+    assert refused.returncode == 2 and "LLAMA=70b: 8b or 3b" in refused.stdout
+
+
+def test_an_empty_gpus_list_runs_only_the_one_gpu_rows(tmp_path):
+    """GPUS= (set, empty): throughput's one-GPU run of each precision, no several-GPU run."""
+    calls = multi_gpu_calls(tmp_path, "throughput-gpt-1.3b", "$*", GPUS="", PRECISIONS="fp8")
+    fits = [args for (args,) in calls if " fit " in args]
+    assert len(fits) == 1 and "--trainer.devices 1 " in fits[0]
+
+
 def test_the_8b_seed_table_s_bf16ends_variants_keep_the_first_and_last_block_in_bf16(tmp_path):
     """table-8b's -bf16ends variants: their recipe, with one BF16 block at each end."""
     calls = multi_gpu_calls(tmp_path, "table-8b", "$*",
