@@ -20,7 +20,7 @@ import sys
 import time
 import typing
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -134,11 +134,6 @@ class FP8LightningCLI(LightningCLI):
         # The data's sequence length is the model's block size: one number, set once.
         parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
                               apply_on="instantiate")
-        # The Trainer types limit_*_batches as Union[float, int]: jsonargparse tries float first
-        # and `--trainer.limit_val_batches 1` (one batch) became 1.0 (all batches). int first.
-        for action in parser._actions:
-            if re.fullmatch(r"trainer\.limit_\w+_batches", action.dest) and hasattr(action, "_typehint"):
-                action._typehint = Optional[Union[int, float]]
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently

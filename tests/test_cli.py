@@ -62,6 +62,16 @@ def test_print_config_and_dotted_overrides(capsys):
     assert "recipe: delayed" in out
 
 
+@pytest.mark.parametrize("value, parsed", [("1", "1"), ("2", "2"), ("1.0", "1.0"), ("0.25", "0.25")])
+def test_a_whole_number_of_batches_stays_a_count_and_a_fraction_a_share(capsys, value, parsed):
+    """Lightning reads limit_val_batches 1 as one batch and 1.0 as all of them: the CLI keeps the
+    type the user wrote (jsonargparse tries the Trainer's int before its float)."""
+    code, out, err = run_main(capsys, ["fit", "--config", str(ROOT / "configs/quickstart.yaml"),
+                                       "--trainer.limit_val_batches", value, "--print_config"])
+    assert code == 0, err
+    assert f"limit_val_batches: {parsed}\n" in out
+
+
 def test_user_errors_are_one_message_without_traceback():
     result = run_cli("fit", "--config", "configs/quickstart.yaml", "--model.config.n_embd", "100",
                      "--trainer.max_steps", "1")

@@ -378,7 +378,6 @@ def test_quickstart_fp8_vs_bf16_comparison(tmp_path, capsys):
     quick = [a for a in fp8_lightning_commands("fit") if any(x.startswith("runs/quick_") for x in a)]
     (compare,) = [a for a in fp8_lightning_commands("compare") if "runs/quick_bf16" in a]
     assert len(quick) == 2
-    # (limit_val_batches 2, not 1: jsonargparse turns 1 into 1.0, which Lightning reads as 100%)
     short = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--data.batch_size", "2",
              "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1"]
 
