@@ -154,8 +154,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("tests/test_fsdp2.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint head-node:29500 -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.num_nodes 2 --trainer.devices 8":
         ("tests/test_distributed.py::test_torchrun_launch_is_picked_up_by_lightning",),  # one node, 2 processes
-    "srun python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml --trainer.num_nodes 2 --trainer.devices 8":
-        (NO_CLUSTER,),
+    "sbatch examples/slurm_fit.sbatch data/text-8k": (
+        NO_CLUSTER, "tests/test_slurm_example.py::test_each_task_s_slurm_environment_gives_its_ranks_of_the_run"),
 }
 
 
