@@ -56,6 +56,11 @@ def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monk
     argv = srun_argv(tmp_path, str(nodes), str(per_node))
     assert argv[:4] == ["python", "-m", "fp8_lightning", "fit"]
     rank = node * per_node + local
+    # Lightning writes the rendezvous (MASTER_ADDR/PORT) and the seed into os.environ: set here
+    # first, so that they are put back after the test (a later gloo test would dial gpu01)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.setenv(key, "")  # (recorded as it was: put back so at teardown)
+        monkeypatch.delenv(key)
     # what srun sets for the task on `node` with local rank `local` (Lightning reads these)
     for key, value in dict(SLURM_NTASKS=nodes * per_node, SLURM_NTASKS_PER_NODE=per_node,
                            SLURM_JOB_NUM_NODES=nodes, SLURM_NNODES=nodes, SLURM_NODEID=node,
