@@ -47,6 +47,8 @@ def test_the_script_needs_a_dataset(tmp_path):
 @pytest.mark.parametrize("node, local", [(0, 0), (1, 7)])
 def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monkeypatch, node,
                                                                   local):
+    from lightning.pytorch.utilities import rank_zero_only
+
     from fp8_lightning.cli import ArgumentParser, FP8LightningCLI
     from fp8_lightning.data.streaming import TokenShardDataModule
     from fp8_lightning.module import GPTLightningModule
@@ -56,10 +58,12 @@ def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monk
     argv = srun_argv(tmp_path, str(nodes), str(per_node))
     assert argv[:4] == ["python", "-m", "fp8_lightning", "fit"]
     rank = node * per_node + local
-    # Lightning writes the rendezvous (MASTER_ADDR/PORT) and the seed into os.environ: set here
-    # first, so that they are put back after the test (a later gloo test would dial gpu01)
+    # Lightning writes the task's rank into the process-wide rank_zero_only (a later test in this
+    # worker would log nothing) and the rendezvous and seed into os.environ (a later gloo test
+    # would dial gpu01): recorded here, put back after the test.
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
     for key in ("MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
-        monkeypatch.setenv(key, "")  # (recorded as it was: put back so at teardown)
+        monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     # what srun sets for the task on `node` with local rank `local` (Lightning reads these)
     for key, value in dict(SLURM_NTASKS=nodes * per_node, SLURM_NTASKS_PER_NODE=per_node,
