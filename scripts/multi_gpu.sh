@@ -66,7 +66,8 @@
 # and SETS (default none: one run after the other) the GPUs and GPU pairs the table jobs run on
 # at once, each pair with its own rendezvous port;
 # for the
-# 8B jobs LLAMA (8b, default, or 3b: the same jobs on configs/llama3_3b_*.yaml), DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
+# 8B jobs LLAMA (8b, default, or 3b: the same jobs on configs/llama3_3b_*.yaml, but scaling-8b
+# and memory-8b), DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, R8_AT, R8_TO, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
 # appended to as the run ends: a call killed midway keeps the finished runs' logs).
@@ -82,6 +83,9 @@ PRECISIONS=${PRECISIONS:-fp8 bf16}  # entries of precision_args
 GPUS=${GPUS-2 4}  # the several-GPU counts (those this machine has); GPUS= (empty): none
 STRATEGIES=${STRATEGIES:-ddp fsdp}
 case ${SINGLE:-1} in 0|1) ;; *) echo "error: SINGLE=$SINGLE; valid: 1 (the one-GPU runs too) or 0" >&2; exit 2 ;; esac
+LLAMA=${LLAMA:-8b}  # 3b: table-8b, eval-8b, resume-8b, probe-8b, throughput-8b on configs/llama3_3b_*.yaml
+case $LLAMA in 8b) LLAMA_PRESET=llama3-8b ;; 3b) LLAMA_PRESET=llama3.2-3b ;;
+    *) echo "error: LLAMA=$LLAMA; valid: 8b or 3b" >&2; exit 2 ;; esac
 R8_AT=${R8_AT:-10} R8_TO=${R8_TO:-19}
 if ! [[ $R8_AT =~ ^[0-9]+$ && $R8_TO =~ ^[0-9]+$ ]] || (( R8_AT < 1 || R8_AT >= R8_TO )); then
     echo "error: R8_AT=$R8_AT R8_TO=$R8_TO; valid: whole numbers, 1 <= R8_AT < R8_TO" >&2
@@ -347,9 +351,6 @@ resume() {  # FSDP2 (LOSS_GPUS), sharded checkpoints at 100 and 200; resume 100 
 
 # ---------------------------------------------------------------------------------- Llama-3-8B
 DEVICES8B=${DEVICES8B:-2}
-LLAMA=${LLAMA:-8b}  # 3b: the 8B jobs run the 3B-class configs (configs/llama3_3b_*.yaml) instead
-case $LLAMA in 8b) LLAMA_PRESET=llama3-8b ;; 3b) LLAMA_PRESET=llama3.2-3b ;;
-    *) echo "LLAMA=$LLAMA: 8b or 3b"; exit 2 ;; esac
 STEPS8B=${STEPS8B:-30}
 DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
@@ -515,8 +516,10 @@ for j in "$@"; do
         table-8b)            table8b ;;
         eval-8b)             eval8b ;;
         resume-8b)           resume8b ;;
-        scaling-8b)          scaling8b ;;
-        memory-8b)           memory8b ;;
+        scaling-8b|memory-8b)
+            # (their summaries reckon with the 8B's 32 blocks)
+            [ "$LLAMA" = 8b ] || { echo "error: $j runs the 8B only (LLAMA=$LLAMA)" >&2; exit 2; }
+            if [ "$j" = scaling-8b ]; then scaling8b; else memory8b; fi ;;
         probe-8b)            probe8b ;;
         throughput-8b)       throughput8b ;;
         *) echo "unknown job $j; valid: table-gpt2 table-gpt-1.3b table-gpt-1.3b-ddp table-gpt-1.3b-fsdp throughput-gpt2 throughput-gpt-1.3b plain-gpt2 plain-gpt-1.3b loss-gpt2 resume-gpt2" \

@@ -275,7 +275,8 @@ def test_the_8b_seed_table_passes_t8_args_to_every_run(tmp_path):
 
 def test_the_8b_jobs_run_the_3b_configs_and_preset_with_llama_3b(tmp_path):
     """LLAMA=3b: table-8b's package runs read configs/llama3_3b_*.yaml and its plain-script row
-    builds the 3B preset; any other value is refused before a run starts."""
+    builds the 3B preset; another value, or the jobs that reckon with the 8B's depth, are
+    refused with one error line."""
     calls = multi_gpu_calls(tmp_path, "table-8b", "$*", LLAMA="3b",
                             VARIANTS8B="bf16 fp8-delayed plain-bf16")
     fits = [args for (args,) in calls if " fit " in args]
@@ -283,10 +284,13 @@ def test_the_8b_jobs_run_the_3b_configs_and_preset_with_llama_3b(tmp_path):
         (True, False), (False, True)]
     (plain,) = [args for (args,) in calls if "plain_pytorch" in args]
     assert "--model llama3.2-3b " in plain
-    refused = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), "table-8b"],
-                             capture_output=True, text=True, timeout=60,
-                             env=dict(os.environ, LLAMA="70b", OUT=str(tmp_path / "o2")))
-    assert refused.returncode == 2 and "LLAMA=70b: 8b or 3b" in refused.stdout
+    for job, llama, said in (("table-8b", "70b", "error: LLAMA=70b; valid: 8b or 3b"),
+                             ("scaling-8b", "3b", "error: scaling-8b runs the 8B only")):
+        refused = subprocess.run(["bash", str(ROOT / "scripts" / "multi_gpu.sh"), job],
+                                 capture_output=True, text=True, timeout=60,
+                                 env=dict(os.environ, LLAMA=llama, OUT=str(tmp_path / "o2"),
+                                          PYTHON=str(stand_in_python(tmp_path, "$*"))))
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
 
 
 def test_an_empty_gpus_list_runs_only_the_one_gpu_rows(tmp_path):

@@ -3,10 +3,14 @@ what it runs, and Lightning's SLURM detection turns each task's environment (as 
 into that task's ranks of a 2 x 8 FSDP2 run. No cluster runs it here."""
 
 import os
+import random
 import re
 import subprocess
+import sys
 
+import numpy
 import pytest
+import torch
 
 from tests._runs import ROOT
 
@@ -26,7 +30,8 @@ def srun_argv(tmp_path, nodes: str, per_node: str) -> list[str]:
     fake.chmod(0o755)
     out = tmp_path / "srun_args.txt"
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SRUN_ARGS=str(out),
-               SLURM_JOB_NUM_NODES=nodes, SLURM_NTASKS_PER_NODE=per_node)
+               SLURM_JOB_NUM_NODES=nodes, SLURM_NTASKS_PER_NODE=per_node,
+               SLURM_CPUS_PER_TASK="8")
     done = subprocess.run(["bash", str(SCRIPT), "data/text-8k"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -56,7 +61,8 @@ def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monk
     d = directives()
     nodes, per_node = int(d["nodes"]), int(d["ntasks-per-node"])
     argv = srun_argv(tmp_path, str(nodes), str(per_node))
-    assert argv[:4] == ["python", "-m", "fp8_lightning", "fit"]
+    assert argv[:5] == [f"--cpus-per-task={d['cpus-per-task']}", "python", "-m", "fp8_lightning",
+                        "fit"]
     rank = node * per_node + local
     # Lightning writes the task's rank into the process-wide rank_zero_only (a later test in this
     # worker would log nothing) and the rendezvous and seed into os.environ (a later gloo test
@@ -71,8 +77,15 @@ def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monk
                            SLURM_PROCID=rank, SLURM_LOCALID=local, SLURM_JOB_ID=4242,
                            SLURM_JOB_NAME=d["job-name"], SLURM_NODELIST="gpu[01-02]").items():
         monkeypatch.setenv(key, str(value))
-    cli = FP8LightningCLI(GPTLightningModule, TokenShardDataModule, parser_class=ArgumentParser,
-                          run=False, args=argv[4:] + ["--trainer.accelerator", "cpu"])
+    monkeypatch.setattr(sys, "argv", ["fp8_lightning"])  # the args are given, not sys.argv
+    # (the config's seed_everything reseeds the process's generators: put back after)
+    states = random.getstate(), numpy.random.get_state()
+    with torch.random.fork_rng():
+        cli = FP8LightningCLI(GPTLightningModule, TokenShardDataModule,
+                              parser_class=ArgumentParser, run=False,
+                              args=argv[5:] + ["--trainer.accelerator", "cpu"])
+    random.setstate(states[0])
+    numpy.random.set_state(states[1])
     trainer = cli.trainer
     environment = trainer.strategy.cluster_environment
     assert type(environment).__name__ == "SLURMEnvironment"
