@@ -46,7 +46,8 @@ def test_the_directives_ask_one_task_per_gpu():
 def test_the_script_needs_a_dataset(tmp_path):
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30,
                           env=dict(os.environ, SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="8"))
-    assert done.returncode != 0 and "usage: sbatch examples/slurm_fit.sbatch DATA_DIR" in done.stderr
+    assert done.returncode == 2 and done.stderr == (
+        "error: no dataset; usage: sbatch examples/slurm_fit.sbatch DATA_DIR\n")
 
 
 @pytest.mark.parametrize("node, local", [(0, 0), (1, 7)])
