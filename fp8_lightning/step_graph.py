@@ -77,16 +77,26 @@ class StepGraph:
             return step(*self.inputs)
         self.inputs[0].copy_(x)
         self.inputs[1].copy_(y)
+        self._keep_grads()
         if self.eager_next:
             self.eager_next = False
             return step(*self.inputs)
         if self.graph is None:
             self._capture(step, x)
-        for param, grad in self.grads:
-            if param.grad is not grad:  # dropped (zero_grad(set_to_none=True)): zero, not None
-                param.grad = grad.zero_()
         self.graph.replay()
         return self.loss.clone()  # the next replay overwrites the graph's own
+
+    def _keep_grads(self) -> None:
+        """Put the captured gradient tensors back on their parameters, before any step of this
+        key, eager ones included. Lightning drops every gradient before a validation
+        (``on_validation_model_zero_grad``): FSDP2's next eager backward would then give each
+        parameter a new gradient while the replays go on adding into the captured ones (memory
+        the allocator may have handed to anything since)."""
+        for param, grad in self.grads:
+            current = param.grad
+            if current is not grad:
+                grad.zero_() if current is None else grad.copy_(current)
+                param.grad = grad
 
     def _capture(self, step: Step, x: torch.Tensor) -> None:
         graph = torch.cuda.CUDAGraph()
