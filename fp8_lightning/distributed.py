@@ -268,14 +268,14 @@ def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
                                                                  if why else ""))
 
 
-def ddp_is_faster(fits_one_gpu: Optional[bool]) -> Optional[str]:
-    """Why DDP would train this FSDP2 run faster, where the run fits one GPU unsharded."""
+def ddp_hint(fits_one_gpu: Optional[bool]) -> Optional[str]:
+    """Where an FSDP2 run fits one GPU unsharded: that DDP is the other choice, and where the two
+    are compared. (Which is faster depends on the model and on whether FSDP2's step graph runs:
+    docs/benchmarks.md, "Several GPUs", has both side by side.)"""
     if not fits_one_gpu:
         return None
-    # (docs/benchmarks.md, "Several GPUs", has both layouts side by side)
     return ("FSDP2: this run fits one GPU unsharded, where DDP (configs/ddp.yaml) gathers no "
-            "weights at any step and is usually faster (docs/several-gpus.md); FSDP2 pays where "
-            "the model does not fit")
+            "weights at any step; docs/several-gpus.md says which of the two to try first")
 
 
 def build_device(module: Any, device: torch.device) -> Optional[torch.device]:
@@ -387,9 +387,9 @@ class FSDP2Strategy(ModelParallelStrategy):
                                               self.blocks_per_unit,
                                               getattr(module, "fits_one_gpu", None))
         rank_zero_info(f"FSDP2: {how}")
-        advice = ddp_is_faster(getattr(module, "fits_one_gpu", None))
+        advice = ddp_hint(getattr(module, "fits_one_gpu", None))
         if advice:
-            rank_zero_warn(advice)
+            rank_zero_info(advice)
         shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
                     reshard_after_forward=reshard, blocks_per_unit=per_unit)
         # fully_shard replaced each parameter by its DTensor shard: the weights as they are now

@@ -667,6 +667,8 @@ class GPTLightningModule(L.LightningModule):
     def teardown(self, stage: str) -> None:
         if self._trainer is not None:
             AgreedStop.uninstall(self._trainer)
+        if self._step_graph is not None:  # (``graphed`` still says what it replayed)
+            self._step_graph.free()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -46,6 +46,7 @@ class StepGraph:
         # so that FSDP2's own backward frees them, as the replays expect (a replay would leave
         # them gathered, and the next eager forward would read weights some steps old).
         self.eager_next = False
+        self.freed = False  # free() dropped a graph of ``key``
         self._stepping = False
         self._hook = model.register_forward_pre_hook(self._seen_forward)
 
@@ -55,8 +56,9 @@ class StepGraph:
 
     @property
     def replaying(self) -> Optional[tuple]:
-        """The key the graph replays (captured), or None."""
-        return self.key if self.graph is not None else None
+        """The key the graph replays (captured), or None; after :meth:`free`, the key it
+        replayed until then."""
+        return self.key if self.graph is not None or self.freed else None
 
     def __call__(self, step: Step, x: torch.Tensor, y: torch.Tensor, key: tuple) -> torch.Tensor:
         self._stepping = True
@@ -112,7 +114,7 @@ class StepGraph:
             raise RuntimeError(f"capturing the training step as a CUDA graph failed "
                                f"({type(err).__name__}: {message}); model.cuda_graphs: false "
                                "trains without it") from err
-        self.graph = graph
+        self.graph, self.freed = graph, False
         self.grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         rank_zero_only(log.info)("CUDA graphs: the step's forward and backward captured for "
                                  "micro-batch %s (%s)", "x".join(map(str, x.shape)),
@@ -121,6 +123,15 @@ class StepGraph:
     def release(self) -> None:
         """Free the graph and its memory pool (training goes on eagerly until captured again)."""
         self.graph, self.inputs, self.loss, self.key, self.grads = None, (), None, None, []
+        self.freed = False
+
+    def free(self) -> None:
+        """At the end of a fit: free the graph and its pool before the process group goes
+        (Lightning destroys it at exit). A graph holding NCCL collectives outliving its
+        communicator hangs the process's exit (pytorch/torchtitan#2050 frees its graphs so)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph, self.loss, self.freed = None, None, True
 
     def remove(self) -> None:
         """:meth:`release`, and stop watching the model's forward."""

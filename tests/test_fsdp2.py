@@ -119,13 +119,13 @@ def test_the_fsdp2_plan_per_model_size_and_engine(monkeypatch):
     assert not any(FP8Precision(recipe=r).gathers_float8 for r in ("delayed", "rowwise", "current"))
 
 
-def test_fsdp2_on_a_run_that_fits_one_gpu_says_ddp_is_faster():
+def test_fsdp2_on_a_run_that_fits_one_gpu_points_to_ddp():
     """The FSDP2 strategy's advice: DDP where the memory estimate says the run fits one GPU
     unsharded; nothing where it does not, or where nothing was estimated (no GPU)."""
-    from fp8_lightning.distributed import ddp_is_faster
+    from fp8_lightning.distributed import ddp_hint
 
-    assert "configs/ddp.yaml" in ddp_is_faster(True)
-    assert ddp_is_faster(False) is None and ddp_is_faster(None) is None
+    assert "configs/ddp.yaml" in ddp_hint(True)
+    assert ddp_hint(False) is None and ddp_hint(None) is None
 
 
 def test_fsdp_checkpoint_is_a_directory_of_shards_that_lists_and_resumes(fsdp_runs):
