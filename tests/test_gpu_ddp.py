@@ -49,21 +49,26 @@ def one_gpu_losses(tmp_path_factory):
 
 
 @needs_te
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-units"])
 def test_fp8_on_two_gpus_takes_the_fast_path_and_trains_as_one_gpu(tmp_path, strategy,
                                                                    one_gpu_losses):
     """DDP: compiled regions and a CUDA graph per block, DDP's all-reduce between the replays.
-    FSDP2: the layout chosen for a model that fits one GPU (weights kept gathered, one unit), the
-    loss compiled, the step's forward and backward one CUDA graph. Either way FP8 runs, StepProfile splits the step per rank, and the losses are
-    the one-GPU run's within FP8 tolerance."""
-    out, losses = fit(tmp_path / strategy, "--config", f"configs/{strategy}.yaml",
+    FSDP2: the layout chosen for a model that fits one GPU (weights kept gathered, one unit; or a
+    unit per block, as a model of several units has), the loss compiled, the step's forward and
+    backward one CUDA graph, and the process ends (a graph of NCCL collectives outliving the
+    process group hangs the exit). Either way FP8 runs, StepProfile splits the step per rank, and
+    the losses are the one-GPU run's within FP8 tolerance."""
+    units = ["--trainer.strategy.init_args.blocks_per_unit", "1"] if strategy == "fsdp-units" else []
+    out, losses = fit(tmp_path / strategy, "--config", f"configs/{strategy.split('-')[0]}.yaml",
                       "--trainer.devices", "2", "--trainer.callbacks+=fp8_lightning.StepProfile",
-                      "--trainer.callbacks.start_step", "12", "--trainer.callbacks.steps", "3")
+                      "--trainer.callbacks.start_step", "12", "--trainer.callbacks.steps", "3",
+                      *units)
     if strategy == "ddp":
         assert "compile: the regions between TE modules" in out
         assert "CUDA graphs: on" in out and "4 blocks captured as a graph each" in out
     else:
-        assert "FSDP2: 4 blocks in 1 unit(s)" in out and "kept gathered" in out, out[-4000:]
+        assert f"FSDP2: 4 blocks in {4 if units else 1} unit(s)" in out, out[-4000:]
+        assert "kept gathered" in out, out[-4000:]
         assert "compile: the loss" in out and "the TE blocks run uncompiled in the step's CUDA graph" in out
         assert "CUDA graphs: on, the step's forward and backward as one graph" in out
         assert "the step's forward and backward captured for micro-batch 8x1024 (FP8)" in out
