@@ -136,9 +136,9 @@ class FP8LightningCLI(LightningCLI):
                               apply_on="instantiate")
         # jsonargparse tries a Union's types in order, and the Trainer's Optional[Union[int, float]]
         # can come out float first: typing caches unions that differ only in order as one object
-        # (a plain `pip install -e .` read `limit_val_batches: 10` as 10.0, a fraction). No public
-        # jsonargparse API retypes a class's argument: int first here, written flat, as the
-        # nested Optional[Union[...]] would come back from that same cache.
+        # (then `limit_val_batches: 10` reads as 10.0, a fraction). No public jsonargparse API
+        # retypes a class's argument: int first here, written flat, as the nested
+        # Optional[Union[...]] would come back from that same cache.
         for action in parser._actions:
             if re.fullmatch(r"trainer\.limit_\w+_batches", action.dest) and hasattr(action, "_typehint"):
                 action._typehint = Union[int, float, None]

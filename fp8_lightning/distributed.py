@@ -23,7 +23,7 @@ FP8 scaling state under FSDP2: it never goes into the DCP shards. ``FP8Precision
 module's pickled ``_extra_state`` by an empty tensor and stores the delayed-scaling amax history
 and scales as plain tensors in its own state, which Lightning writes to the directory's
 ``meta.pt`` (rank 0; the amaxes are reduced over all ranks, so every rank holds the same values).
-That side-steps TE's variable-size pickled extra state in DCP (TransformerEngine issue #1860).
+That side-steps TE's variable-size pickled extra state in DCP (NVIDIA/TransformerEngine#1860).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
 from typing_extensions import override
@@ -149,15 +149,14 @@ class AgreedStop:
     Lightning >= 2.6 broadcasts rank 0's SIGTERM flag at the start of every training step and
     reads it with ``.item()``: a host sync per step, after which the GPU idles while the host
     issues the next step (measured under DDP: docs/benchmarks.md, several GPUs;
-    Lightning-AI/pytorch-lightning#21487; the upstream fix, PR #21640, is unreleased). Here each
-    rank's stop request is all-reduced (max) at every step start instead, and read one step
-    late: from pinned memory behind a CUDA event, which the GPU passed long ago. Every rank then
-    raises Lightning's ``SIGTERMException`` at the same step, the one after the request was seen.
-    The request is kept out of Lightning's own flag until then (its loops would stop the
-    signalled rank alone at the end of its step, leaving the others in a collective), so
-    Lightning's SIGTERM notifier is replaced by :meth:`_on_sigterm`, which records the request
-    and forwards the signal to the local ranks as Lightning's does, without Lightning's extra
-    broadcast from the signal handler.
+    Lightning-AI/pytorch-lightning#21487). Here each rank's stop request is all-reduced (max) at
+    every step start instead, and read one step late: from pinned memory behind a CUDA event,
+    which the GPU passed long ago. Every rank then raises Lightning's ``SIGTERMException`` at the
+    same step, the one after the request was seen. The request is kept out of Lightning's own flag
+    until then (its loops would stop the signalled rank alone at the end of its step, leaving the
+    others in a collective), so Lightning's SIGTERM notifier is replaced by :meth:`_on_sigterm`,
+    which records the request and forwards the signal to the local ranks as Lightning's does,
+    without Lightning's extra broadcast from the signal handler.
     """
 
     def __init__(self, trainer: "L.Trainer") -> None:
@@ -360,7 +359,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
         # ModelParallelStrategy builds on the CPU unless asked for the meta device; Lightning's
         # other strategies build on the root device. On the CPU, with torchrun's one OpenMP
-        # thread a rank, Llama-3-8B took about two minutes to build and initialise.
+        # thread a rank, a large model is slow to build and initialise.
         device = None if empty_init else build_device(self.lightning_module, self.root_device)
         with device or nullcontext(), super().tensor_init_context(empty_init):
             yield

@@ -51,8 +51,8 @@ def probe(config: Any, batch_size: int, seq_len: int, attention: str, module_cla
     :data:`~fp8_lightning.fp8.policy.POLICY_FIELDS`), so that the figure is of what would train.
 
     ``warmup``: torchao's compiled step runs slow for a few steps after its compilation
-    (measured: docs/benchmarks.md, engine choice), which made the probe read torchao slower
-    than bench does; the other candidates settle within 3."""
+    (docs/benchmarks.md, engine choice): the warm-up covers them, so that the probe reads every
+    candidate as bench does."""
     device = torch.device("cuda")
     timings: dict[str, Optional[float]] = {}
     for name in candidates(attention):

@@ -3,9 +3,9 @@
 on the TE path (which captures FP8, delayed scaling included, and keeps the amax/scale updates
 working across replays), and PyTorch's for the PyTorch backend's compiled blocks under DDP.
 
-Why: a TE block issues its kernels from Python (a few hundred microseconds of host work per
-module per step), so at GPT-2 sizes the host, not the GPU, sets the step time. A replayed graph
-costs the host one launch per graph and direction.
+Why: a TE block issues its kernels from Python (host work per module per step), so at GPT-2
+sizes the host, not the GPU, sets the step time (docs/benchmarks.md, what the fast path is made
+of). A replayed graph costs the host one launch per graph and direction.
 
 What stays outside the graphs: the embedding, the final norm, the LM head and the loss (the
 compiled loss is one call), the optimizer, and under DDP the gradient all-reduce: each block is

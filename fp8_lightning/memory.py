@@ -1,7 +1,7 @@
 """Will this run fit? GPU memory per device from the model's shape, before the first step.
 
 A run that does not fit must say so before training, with what would make it fit, not as an
-out-of-memory trace after minutes of setup (Llama-3-8B on two H200s is the case that matters:
+out-of-memory trace after minutes of setup (Llama-3-8B on two GPUs is the case that matters:
 fp32 master weights, gradients and AdamW state are 16 bytes a parameter, 128 GB at 8B).
 
 The estimate counts, per GPU:

@@ -72,7 +72,8 @@ class GPTLightningModule(L.LightningModule):
         min_lr: learning rate at the end of the cosine decay.
         warmup_steps: linear warm-up steps.
         lr_decay_steps: length of the schedule; default ``trainer.max_steps`` (never the Trainer's
-            estimated stepping batches, which breaks streaming-loader resume: Lightning #20550).
+            estimated stepping batches, which breaks streaming-loader resume:
+            Lightning-AI/pytorch-lightning#20550).
         weight_decay: AdamW weight decay for matrices (not norms, biases or embeddings).
         betas: AdamW betas.
         cuda_graphs: replay the training step's forward and backward as CUDA graphs, so the
@@ -177,7 +178,7 @@ class GPTLightningModule(L.LightningModule):
         self._cudagraphed = False  # the PyTorch backend compiled with CUDA graphs
         # The parameters and whether the clip folds into the optimizer, looked up at a run's
         # first step rather than every step: ``self.parameters()`` walks every submodule, twice
-        # a step (it showed in bench --profile's host profile).
+        # a step.
         self._params: Optional[tuple[torch.nn.Parameter, ...]] = None
         self._fold: Optional[bool] = None
 
@@ -572,8 +573,8 @@ class GPTLightningModule(L.LightningModule):
                        optimizer_closure: Optional[Callable[[], Any]] = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # Lightning zeroes gradients inside the next step's closure, after its forward: the last
-        # step's gradients would sit beside that forward's activations (Llama-3-8B under FSDP2
-        # ran out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does;
+        # step's gradients would sit beside that forward's activations (a large model under FSDP2
+        # runs out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does;
         # zeroed in place under a whole-step graph, whose reduce-scatters add into them.
         optimizer.zero_grad(set_to_none=self._step_graph is None)
 

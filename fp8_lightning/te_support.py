@@ -17,8 +17,8 @@ from lightning_utilities.core.imports import RequirementCache
 # te.is_fp8_available(return_reason=True) (transformer_engine.pytorch.quantization, which replaced
 # fp8_autocast and the private fp8 module), and loads checkpoints through
 # transformer_engine.pytorch._extra_state, which TE 2.18 added (with its refusal to unpickle extra
-# state). An older TE passed a ">=2.0" check and crashed mid-run; below this floor the run falls
-# back to BF16 with the reason, as without TE. pyproject.toml's [te] extra names the same floor.
+# state). An older TE would crash mid-run; below this floor the run falls back to BF16 with the
+# reason, as without TE. pyproject.toml's [te] extra names the same floor.
 TE_MIN_VERSION = "2.18"
 TE_REQUIREMENT = RequirementCache(f"transformer_engine>={TE_MIN_VERSION}")
 # FP8 tensor cores: Ada (sm_89), Hopper (sm_90), Blackwell (sm_100+).
@@ -90,9 +90,8 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU has BF16 instructions (x86 AVX512-BF16 or AMX, Arm BF16).
 
     Without them PyTorch emulates BF16 autocast on the CPU: a GPT step runs several times slower
-    than in fp32 (the tiny quickstart model on an x86 CPU with AVX2 only). torch asks cpuinfo for
-    the x86 features; its own query is private, so a missing one falls back to the kernel's flag
-    list.
+    than in fp32. torch asks cpuinfo for the x86 features; its own query is private, so a missing
+    one falls back to the kernel's flag list.
     """
     cpu = getattr(torch._C, "_cpu", None)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):

@@ -58,7 +58,7 @@ for name in "${runs[@]}"; do
     grep -E "precision:|FP8 verified|NaN guard|Error|error" "$OUT/$name.log" | head -5 | sed "s/^/$name: /"
 done
 # Checkpoints are large; the logs are what the docs need. Event files are copied flat beside the
-# console logs (the device returns only shallow paths) for `python -m fp8_lightning compare`.
+# console logs for `python -m fp8_lightning compare`.
 find "$OUT" -name "*.ckpt" -delete
 for name in "${runs[@]}"; do
     mkdir -p "$OUT/tb-$name"

@@ -1,6 +1,6 @@
 """Mean and spread over seeds of each recipe's final validation loss, from convergence.sh's
-``$OUT/tb-<recipe>-s<seed>`` event files, and each recipe's mean gap to BF16's (the issue's
-criterion: within 1%).
+``$OUT/tb-<recipe>-s<seed>`` event files, and each recipe's mean gap to BF16's (the criterion of
+docs/convergence.md: within 1%).
 
 Usage: python scripts/convergence_summary.py OUT
 """

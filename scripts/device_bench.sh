@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md: bench for GPT-2 124M, GPT-2 350M, the 1.3B GPT and the
 # llama3-8b shape cut to 4 layers at seq 8192, and doctor's probe for GPT-2 124M and the 1.3B GPT
-# (same micro-batch as their bench, so the prediction can be compared). Budget: < 8 min on one H100.
+# (same micro-batch as their bench, so the prediction can be compared).
 #
 # Usage: scripts/device_bench.sh [JOB ...]    (default: all jobs, in this order)
 #   JOBS: gpt2 gpt2-medium gpt-1.3b llama3-8b doctor-gpt2 doctor-gpt-1.3b

@@ -8,15 +8,14 @@
 #
 # Usage: scripts/gpu_tests.sh [PYTEST ARGS...]   e.g. scripts/gpu_tests.sh -k "not within_3_percent"
 # Env: OUT (logs, default gpu_tests_out), PART_TIMEOUT (s per pytest, default 540), DEADLINE (s:
-# no item starts after it; those left are listed in OUT/left.txt, for a next call's FILES and
+# no item starts after it; those left are listed in OUT/left.txt, for a next run's FILES and
 # TWO_TESTS), FILES (the one-GPU test files; default every tests/test_gpu_*.py but the two-GPU
 # one, and the notebook's), TWO_TESTS (the two-GPU node ids; default each test function of
 # tests/test_gpu_ddp.py), FP8L_RUN_TIMEOUT (s, default 300: a CLI fit inside a test that runs
 # longer prints every process's Python stacks and fails, tests/_runs.py). Each pytest runs
 # verbosely with its durations; the failures and the counts last.
-# On four H100s the whole suite is about 45 GPU-minutes (the two-GPU tests 1 to 3.5 minutes each
-# on a pair, the one-GPU files up to 5), more than one 10-minute call: give the first call a
-# DEADLINE, the next FILES and TWO_TESTS from its left.txt.
+# Where one command cannot run the whole suite, give the first a DEADLINE, the next FILES and
+# TWO_TESTS from its left.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_tests_out}

@@ -13,13 +13,13 @@
 #                  and GPU idle per rank
 #   plain-gpt2 | plain-gpt-1.3b   benchmarks/plain_pytorch.py (no Lightning, BF16 compiled) on 1
 #                  GPU, then each of STRATEGIES on each of GPUS through torchrun
-#   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one call: plain script,
+#   table-gpt2 | table-gpt-1.3b   the two-GPU table of docs/benchmarks.md in one go: plain script,
 #                  package BF16, FP8 (TE delayed; torchao tensorwise under FSDP2) and, for GPT-2,
 #                  examples/fabric_train.py, on 1 GPU (a run per GPU of ONE_SETS at a time) and
 #                  2 GPUs (a run per pair of SETS at a time); on four GPUs
-#                  ONE_SETS="0 1 2 3" SETS="0,1 2,3" takes about half the time
+#                  ONE_SETS="0 1 2 3" SETS="0,1 2,3" runs two pairs at once
 #   table-gpt-1.3b-ddp | table-gpt-1.3b-fsdp   the 1.3B table's one-GPU rows and one strategy's
-#                  (on two GPUs the whole 1.3B table takes more than 10 minutes)
+#                  (the 1.3B table in two parts)
 #   loss-gpt2      200 steps with one global batch of 32 x 1024: 1 GPU reading the LOSS_GPUS ranks'
 #                  samples (data.emulate_ranks, the batch accumulated: at every step exactly the
 #                  samples of the several-GPU runs), DDP and FSDP2 on LOSS_GPUS (default 4); val loss
@@ -70,11 +70,11 @@
 # and memory-8b), DEVICES8B (default 2), SETS8B (table-8b's GPU sets run at once), STEPS8B (default 30), LAYERS (cut the model: a dry run on one
 # GPU is DEVICES8B=1 LAYERS=2), GPUS8B (default "2 4"), VARIANTS8B, T8_ARGS, PLAIN8B_AC, PLAIN8B_STEPS, EVAL8B, AC8B, VARIANTS8B_TP, R8_ROOT, R8_AT, R8_TO, DATA8K (default
 # /tmp/pycode-ds-8k), FIT_TIMEOUT (default 420 s), ARCHIVE (a tar file each run's log is
-# appended to as the run ends: a call killed midway keeps the finished runs' logs).
+# appended to as the run ends: a job killed midway keeps the finished runs' logs).
 # A summary table (scripts/multi_gpu_summary.py) at the end.
 set -u
 cd "$(dirname "$0")/.."
-# NVLink multicast stays off (the GPU machines' rule: it can take shared GPUs out of service).
+# NVLink multicast stays off: it can take shared GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-multi_gpu_out}
 PYTHON=${PYTHON:-python}
@@ -294,7 +294,7 @@ at_once() {  # at_once "SET..." JOB...: each JOB (a command line of this script'
     trap - TERM INT
 }
 
-table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one call
+table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of MODEL in one go
     # (one strategy's rows where named). The one-GPU runs go as many at a time as ONE_SETS has
     # GPUs (default "0 1": FP8 beside the plain BF16 script, the package's BF16 beside the Fabric
     # example); the two-GPU runs (the plain script, the package's BF16 (DDP), FP8 TE delayed,
@@ -313,7 +313,7 @@ table() {  # table MODEL BATCH [ddp|fsdp]: docs/benchmarks.md's two-GPU table of
     for s in $strategies; do two+=("tp_run $model $batch fp8 $s 2"); done
     [ "$only" != ddp ] && two+=("tp_run $model $batch fp8-tensorwise fsdp 2")
     if [ "$model" = gpt2 ]; then for s in $strategies; do two+=("fabric_run $s 2"); done; fi
-    # SINGLE=0: the two-GPU rows only (a strategy's rows in a later call on the same machine)
+    # SINGLE=0: the two-GPU rows only (a strategy's rows in a later run on the same machine)
     [ "${SINGLE:-1}" = 1 ] && at_once "${ONE_SETS:-0 1}" "${one[@]}"
     at_once "${SETS:-}" "${two[@]}"
 }
@@ -356,7 +356,7 @@ DATA8K=${DATA8K:-/tmp/pycode-ds-8k}
 
 data8k() {  # the corpus of py_data.sh cut in blocks of 8192 (+1) tokens, once; fails if it cannot
     # 4 workers: each worker's share of the 0.5% val split must hold whole blocks of 8193 tokens
-    # (16 left none with MAX_MB=40).
+    # (more workers can leave none on a small corpus).
     pycode_prepare "$DATA8K" 8192 4
 }
 
@@ -428,8 +428,8 @@ eval8b() {  # validation inside an FP8 run: BF16 (default) and FP8 (fp8_eval)
 
 resume8b() {  # sharded checkpoint at step R8_AT, resumed to R8_TO: its losses against one run's
     data8k || return
-    # On disk, not /dev/shm: a 96 GB checkpoint in RAM plus the ranks' own host memory got a rank
-    # OOM-killed mid-save on a 256 GB host. R8_ROOT moves it.
+    # On disk, not /dev/shm: the 8B checkpoint in RAM beside the ranks' own host memory can exhaust
+    # the host. R8_ROOT moves it.
     local root=${R8_ROOT:-/tmp/multi_gpu_8b} free
     mkdir -p "$root"
     free=$(df -BG --output=avail "$root" 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -453,7 +453,8 @@ trainer:
 YAML
     local args=(--trainer.log_every_n_steps 1 --model.lr_decay_steps "$R8_TO")
     # Twice: no two runs are bitwise equal (atomics in the backward), and in these first steps
-    # (loss 13 -> 5) a small difference grows; the resumed run is judged against that spread.
+    # (the loss falls steeply) a small difference grows; the resumed run is judged against that
+    # spread.
     local again
     for again in whole again; do
         llama "r8-$again" fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" "${args[@]}" \
@@ -484,7 +485,7 @@ probe8b() {  # rank 0's live allocations at its first out-of-memory error, per A
     data8k || return
     local ac
     for ac in ${AC8B:-mlp}; do
-        rm -f "$OUT/p8-$ac.txt"  # (an earlier call's)
+        rm -f "$OUT/p8-$ac.txt"  # (an earlier invocation's)
         MEMPROBE_OUT=$OUT/p8-$ac.txt PYTHON="$PYTHON scripts/memprobe.py" llama "p8-$ac" \
             fp8-delayed "$DEVICES8B" --config "$OUT/throughput.yaml" --trainer.max_steps 2 \
             --trainer.log_every_n_steps 1 --model.activation_checkpointing "$ac"
@@ -529,6 +530,6 @@ done
 find "$OUT" -name "*.ckpt" -prune -exec rm -rf {} + 2>/dev/null
 $PYTHON scripts/multi_gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
 keep summary.txt
-# The device returns few, shallow files: the logs travel as one archive.
+# The logs travel as one archive.
 tar czf "$OUT/multi_gpu_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.yaml 2>/dev/null) && \
     (cd "$OUT" && rm -rf -- *.log *.yaml tp-* plain-* fabric-* loss-* t8-* e8-* r8-* s8-* m8-* p8-* tp8-*)

@@ -45,10 +45,10 @@ def read(log: Path) -> dict:
     kept = lines[2:] or lines
     profiled = PROFILED.search(text)
     if profiled:  # keep the lines whose window (previous line's step, step] ends before the
-        # profiled steps (monitor steps A+1..): the profiled ones run up to 2x slower, and every
-        # step after them stays slower where the host sets the pace (BF16 DDP and FSDP2 at GPT-2
-        # 124M: 49 -> 67 and 90 -> 108 ms), because Kineto leaves CUPTI attached after the
-        # profiler exits (pytorch/pytorch#144455); graph replays and GPU-bound steps do not move
+        # profiled steps (monitor steps A+1..): the profiled ones run slower, and every step after
+        # them stays slower where the host sets the pace, because Kineto leaves CUPTI attached
+        # after the profiler exits (pytorch/pytorch#144455; docs/benchmarks.md, Method); graph
+        # replays and GPU-bound steps do not move
         first = int(profiled[1]) + 1
         kept = [x for x in kept if x[0] < first] or kept
     peak = MEMORY.search(text)

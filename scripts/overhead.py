@@ -1,4 +1,4 @@
-"""What the safety and monitoring callbacks cost a GPT-2 124M FP8 step, on the GPU machine.
+"""What the safety and monitoring callbacks cost a GPT-2 124M FP8 step, on a GPU.
 
 Kept out of the GPU test suite (a benchmark is not a test), with the same runs and the same
 bounds: the script exits 1 when a bound is exceeded, 0 otherwise.
@@ -8,7 +8,7 @@ bounds: the script exits 1 when a bound is exceeded, 0 otherwise.
     python3 scripts/overhead.py all
 
 GPT-2 124M, FP8 delayed (TE), 8 x 1024 tokens per step, runs interleaved (ABAB...) three times:
-the shared GPU machines vary run to run by a few percent, and the spread is printed.
+a shared machine varies run to run, and the spread is printed.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def guard_overhead() -> bool:
     data = synthetic(8 * 200, T)
     results: dict[str, list[float]] = {"off": [], "on": []}
     first_snapshot_ms = []
-    for run in ("off", "on") * 3:  # ABABAB: run-to-run spread on this machine is ~3%
+    for run in ("off", "on") * 3:  # ABABAB: interleaved, so the spread shows the noise
         timer, guard = StepTimer(start=60), NaNGuard()
         fit(data, 180, [timer] + ([guard] if run == "on" else []), log_every=50, pin_memory=True,
             lr_decay_steps=1000)

@@ -1,6 +1,7 @@
 """Packaging: declared dependencies and extras, one version source, the public API, the console
 script, and training without the optional extras."""
 
+import ast
 import importlib.metadata
 import re
 import subprocess
@@ -105,8 +106,15 @@ def test_training_and_compare_tables_need_no_matplotlib():
     assert result.stdout.strip() == 'x needs matplotlib: pip install "fp8-lightning[plots]"'
 
 
-GPU_NAME = re.compile(r"\bH[12]00s?\b")
+# The rule: figures live in the docs only, each in docs/benchmarks.md. The code, configs and
+# scripts say what and why (a message says what to do, not a ratio); they name no GPU model and
+# no bare issue or PR number. Comments and strings alike: every line of these files is read.
+CODE_FILES = ("fp8_lightning/**/*.py", "configs/*.yaml", "scripts/*.sh", "scripts/*.py",
+              "benchmarks/*.py", "examples/*.py", "examples/*.sbatch")
+GPU_NAME = re.compile(r"(?i)(?:(?<![a-z])|(?<=\dx))(?:GH200|H100|H200|A100|B200)(?!\d)")
 FIGURE = re.compile(r"\b\d+\.\d+x\b|\d[\d,.]*k? tok/s")
+ISSUE_NUMBER = re.compile(r"(?i:\bissues?\s+#?\d+)|\bPR\s+#?\d+|#\d+\b")
+OWNER_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+$")  # pytorch/pytorch in pytorch/pytorch#123
 
 
 def quotes_a_measurement(text: str) -> bool:
@@ -114,17 +122,53 @@ def quotes_a_measurement(text: str) -> bool:
     return bool(GPU_NAME.search(text) and FIGURE.search(text))
 
 
+def cites_a_bare_issue(line: str) -> bool:
+    """``issue #12``, ``PR 34`` or ``#56`` that no ``owner/repo`` names: whose tracker is it?"""
+    return any(not (m[0].startswith("#") and OWNER_REPO.search(line[:m.start()]))
+               for m in ISSUE_NUMBER.finditer(line))
+
+
+def peak_table_lines() -> set[int]:
+    """The one place outside docs/ that may name a GPU model: fp8_lightning/flops.py's datasheet
+    peaks, which the code matches by device name (the ``PEAKS`` table and ``peak_for``'s example
+    name). Code that prints a device name reads it from the device, so no name is in its text."""
+    tree = ast.parse((ROOT / "fp8_lightning" / "flops.py").read_text())
+    table = [n for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "PEAKS"]
+    lookup = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "peak_for"]
+    assert len(table) == 1 and len(lookup) == 1, "flops.py: PEAKS or peak_for moved"
+    doc = lookup[0].body[0]
+    return set(range(table[0].lineno, table[0].end_lineno + 1)) | \
+        set(range(doc.lineno, doc.end_lineno + 1))
+
+
 def test_package_code_quotes_no_measured_figures():
-    """Figures live in docs/benchmarks.md; the package's comments, docstrings and messages say
-    what and why. A sentence wraps, so each line is read with the two after it."""
+    """Figures live in docs/benchmarks.md; the package, configs, scripts, benchmarks and examples
+    name no GPU model (but flops.py's peak table), quote no measurement (a sentence wraps, so each
+    line is read with the two either side of it) and cite no issue without its owner/repo."""
     assert quotes_a_measurement("weight caching; nanoGPT 1.3B, H100: 1.25x -> 1.29x over")
     assert quotes_a_measurement("# weights kept gathered, two H200s): GPT-2 124M made 241k tok/s")
     assert not quotes_a_measurement('(("h100", "pcie"), Peak("H100 PCIe", 756.5 * T, 1513 * T)),')
+    assert all(GPU_NAME.search(t) for t in ("two H100s", "8xA100", "(GH200)", "on the b200"))
+    assert not any(GPU_NAME.search(t) for t in ("batch100", "H1000", "sha100"))
+    assert cites_a_bare_issue("(TransformerEngine issue #1860)")
+    assert cites_a_bare_issue("the upstream fix, PR #21640, is unreleased")
+    assert cites_a_bare_issue("see #42.")
+    assert not cites_a_bare_issue("(pytorch/pytorch#144455; NVIDIA/TransformerEngine#1860)")
+    assert not cites_a_bare_issue("Lightning-AI/pytorch-lightning#21487 issues the next step")
+    assert not cites_a_bare_issue('color="#1f77b4"  # matplotlib\'s first colour')
+    exempt = {(Path("fp8_lightning/flops.py"), n) for n in peak_table_lines()}
+    files = sorted({p.relative_to(ROOT) for pattern in CODE_FILES for p in ROOT.glob(pattern)})
+    assert Path("configs/ddp.yaml") in files and Path("scripts/multi_gpu.sh") in files
     found = []
-    for path in sorted((ROOT / "fp8_lightning").rglob("*.py")):
-        lines = path.read_text().splitlines()
-        for i in range(len(lines)):
-            if FIGURE.search(lines[i]) and quotes_a_measurement(" ".join(lines[max(0, i - 2):i + 3])):
-                found.append(f"{path.relative_to(ROOT)}:{i + 1}: {lines[i].strip()}")
-    assert not found, "measured figures in package code (their home: docs/benchmarks.md):\n" + \
+    for path in files:
+        lines = (ROOT / path).read_text().splitlines()
+        for i, line in enumerate(lines):
+            where = f"{path}:{i + 1}: {line.strip()}"
+            if GPU_NAME.search(line) and (path, i + 1) not in exempt:
+                found.append(f"a GPU model named: {where}")
+            elif FIGURE.search(line) and quotes_a_measurement(" ".join(lines[max(0, i - 2):i + 3])):
+                found.append(f"a measured figure: {where}")
+            if cites_a_bare_issue(line):
+                found.append(f"an issue number without owner/repo: {where}")
+    assert not found, "figures' home is docs/benchmarks.md, an issue's is owner/repo#N:\n" + \
         "\n".join(found)

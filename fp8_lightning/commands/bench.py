@@ -182,7 +182,7 @@ def bench(config: str, variants: Union[list[str], str, None] = None, steps: int 
     if problems:
         raise ConfigError(problems, "bench --variants")
     # Import TE before any variant touches CUDA: imported after torch.compile has run, TE's core
-    # library bound a second cuDNN on the GPU machine (libcudnn_cnn.so.9: undefined symbol).
+    # library can bind a second cuDNN (libcudnn_cnn.so.9: undefined symbol).
     te_status()
     run = load_run_config(config, model)
     model_config = run.gpt_config(n_layer=n_layer, seq_len=seq_len)

@@ -437,9 +437,9 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
     if problems:
         raise ConfigError(problems, "doctor")
     run = load_run_config(config, model) if config else None
-    # Import TE before anything loads torch's cuDNN (the environment report, the SDPA probe): on
-    # the GPU machine TE imported afterwards failed with "libcudnn_heuristic.so.9: undefined
-    # symbol" and the doctor reported FP8 as unavailable (same cause as in bench).
+    # Import TE before anything loads torch's cuDNN (the environment report, the SDPA probe):
+    # imported afterwards, TE can fail with "libcudnn_heuristic.so.9: undefined symbol" and FP8
+    # would read as unavailable (as in bench).
     te_status()
     report: dict[str, Any] = {"env": report_environment()}
     result = lint(run, batch_size, seq_len, n_layer) if run else None

@@ -35,7 +35,7 @@ def iter_documents(path: str, text_field: str) -> Iterator[str]:
             text = Path(path).read_bytes().decode("utf-8")
         except UnicodeDecodeError as err:
             raise _not_utf8(path, err.start) from None
-        # Universal newlines, as read_text() gave before: the same text makes the same shards.
+        # Universal newlines, as read_text() gives: the same text makes the same shards.
         yield text.replace("\r\n", "\n").replace("\r", "\n")
         return
     # Bytes, decoded line by line: a decoding error then names its line and file offset.

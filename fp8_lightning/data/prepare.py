@@ -185,7 +185,7 @@ def prepare(inputs: Union[str, list[str]], output_dir: str, tokenizer: str = "gp
     tmp.mkdir(parents=True)  # (not mkdtemp: its 0700 would become the dataset's permissions)
     # litdata's optimize sets the process-wide start method (spawn) and leaves it so: every data
     # loader of the process would then spawn its workers, re-importing torch at each epoch (a
-    # stall per epoch, seen in the first fit after preparing the default data).
+    # stall per epoch).
     start_method = multiprocessing.get_start_method(allow_none=True)
     try:
         for split in ("train", "val"):

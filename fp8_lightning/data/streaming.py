@@ -105,8 +105,8 @@ def worker_start(num_workers: int, rank: int = 0) -> dict[str, Any]:
     the trainer's threads' locks as they are: on Python before 3.12 a worker forked while another
     thread held the interpreter's runtime lock (the previous loader's queue threads exiting, at the
     sanity check -> training or an epoch boundary) hangs for ever in its start-up, and the run with
-    it (python/cpython#112275; seen in a two-rank CPU fit). Python 3.14 makes forkserver the
-    default. Windows (no forkserver) spawns."""
+    it (python/cpython#112275). Python 3.14 makes forkserver the default. Windows (no forkserver)
+    spawns."""
     if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
         return {}
     # the forkserver imports these once; each worker forks from it instead of importing torch

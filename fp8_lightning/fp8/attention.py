@@ -1,11 +1,11 @@
 """cuDNN's fused attention first for ``F.scaled_dot_product_attention`` in the plugin's forwards
 and backwards (an activation checkpoint's recompute picks its backend again there).
 
-On the GPU image's PyTorch a user's eager model ran FlashAttention 2's kernels where the same
-model compiled ran cuDNN's, which spend less time on attention on Hopper (measured:
-docs/fp8.md). Recent PyTorch builds put cuDNN first on Hopper themselves when their cuDNN is new
-enough; where the order already starts with cuDNN this changes nothing. Only an order: a call cuDNN
-cannot serve takes the next backend, and the enabled backends stay as the user set them.
+PyTorch may run FlashAttention 2's kernels for a user's eager model where the same model
+compiled runs cuDNN's, which spend less time on attention on Hopper (docs/fp8.md). Recent PyTorch
+builds put cuDNN first on Hopper themselves when their cuDNN is new enough; where the order
+already starts with cuDNN this changes nothing. Only an order: a call cuDNN cannot serve takes
+the next backend, and the enabled backends stay as the user set them.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def gpu_kernel_ms(fn: Any, reps: int) -> float:
 
     Not wall time: a lone small ``te.Linear`` call is dominated by TE's per-call CPU work, which
     in a real training step overlaps the GPU work of the layers before it (wall-time probing
-    predicted FP8 a loss for a model whose real FP8 step gained: docs/tools.md).
+    misjudges FP8: docs/tools.md).
     """
     from torch.profiler import ProfilerActivity, profile
 

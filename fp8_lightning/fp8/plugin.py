@@ -104,12 +104,12 @@ class FP8PrecisionBase(FabricPrecision):
             its blocks itself (``model.cuda_graphs``).
         cudnn_attention: a model this package did not build: the plugin's forwards and
             backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
-            (faster on Hopper than FlashAttention 2, which a user's eager model ran on this
-            package's GPU image). Only an order: a call cuDNN cannot serve takes the next
-            backend, and the enabled backends stay as you set them; nothing changes where
-            PyTorch's own order already starts with cuDNN. Default: on for Hopper GPUs with a
-            cuDNN newer than 9.15.0 (older ones had memory errors, pytorch/pytorch#169849).
-            This package's GPT picks its attention with ``model.attention``.
+            (faster on Hopper than FlashAttention 2, which PyTorch may pick for an eager
+            model). Only an order: a call cuDNN cannot serve takes the next backend, and the
+            enabled backends stay as you set them; nothing changes where PyTorch's own order
+            already starts with cuDNN. Default: on for Hopper GPUs with a cuDNN newer than
+            9.15.0 (older ones had memory errors, pytorch/pytorch#169849). This package's GPT
+            picks its attention with ``model.attention``.
         fuse_wgrad_accumulation: TE engine, a model this package did not build, no process
             group (not DDP/FSDP2), ``weights: bf16-mixed``: each swapped layer's weight-gradient
             GEMM accumulates in FP32 straight into a buffer that is the weight's ``.grad`` (no

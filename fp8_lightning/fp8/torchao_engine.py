@@ -80,7 +80,7 @@ def _configs(recipe: str) -> tuple[Any, Any]:
 
 def size_filter(recipe: str) -> Optional[Callable[[tuple[int, int]], bool]]:
     """torchao's own "does float8 pay for this GEMM" heuristic for ``recipe`` (dims multiples of
-    16 and above its per-recipe size thresholds, from its H100 benchmarks), as a test of one
+    16 and above its per-recipe size thresholds, from torchao's own benchmarks), as a test of one
     ``(out, in)`` weight shape; ``None`` where torchao has none (``rowwise_with_gw_hp``).
 
     torchao offers it only as a filter of ``nn.Linear`` modules (the experimental
