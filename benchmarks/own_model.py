@@ -148,7 +148,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
             "tok_s": round(statistics.median(rates)),
             "graphs": "-" if graphs is None else
             graphs.status + (", compiled" if graphs.compiled else ""),
-            "windows": len(rates), "precision": plugin.tag if plugin else "BF16",
+            "windows": len(rates), "precision": plugin.status if plugin else "BF16",
             "fp8_modules_ran": len(plugin.engine.modules_ran(plugin.model)) if plugin else 0,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             **{k: round(split[k], 2) for k in ("step_ms", "compute_ms", "gpu_idle_ms")

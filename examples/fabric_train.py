@@ -35,7 +35,7 @@ import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from fp8_lightning.checkpoint import publish_directory
+from fp8_lightning.checkpoint_files import publish_directory
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.data.streaming import EMBEDDED_CORPUS
 from fp8_lightning.distributed import fsdp2_layout, gather_policy, shard_model
@@ -178,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         load(fabric, args.ckpt, state)  # safely, the plugin's and the guard's state included
         fabric.print(f"resumed from {args.ckpt} at step {state['step']} (FP8 plugin history: "
                      f"{len(plugin.history)} events; NaN guard at step {guard.global_step})")
-    fabric.print(f"precision: {plugin.tag}")
+    fabric.print(f"precision: {plugin.status}")
 
     blocks = corpus_blocks(min(args.seq_len, recipe.config.block_size), args.corpus_chars)
     n_val = max(1, len(blocks) // 10)

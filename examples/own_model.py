@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.batch_size))
-    print(f"precision: {plugin.tag}; BF16 modules: {dict(plugin.bf16_modules) or 'none'}; "
+    print(f"precision: {plugin.status}; BF16 modules: {dict(plugin.bf16_modules) or 'none'}; "
           f"final train loss {float(trainer.callback_metrics['train/loss']):.4f}")
     return {"plugin": plugin, "module": module, "trainer": trainer}
 

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 # `fp8_lightning.__main__` of a spawned child must not import Lightning and the whole package,
 # seconds per process on a small CPU.
 _EXPORTS = {
-    "AtomicCheckpointIO": "checkpoint", "CheckpointError": "checkpoint",
+    "AtomicCheckpointIO": "checkpoint_files", "CheckpointError": "checkpoint_files",
     "Checkpoint": "callbacks.checkpoint", "TrainingMonitor": "callbacks.monitor",
     "FaultInjection": "callbacks.faults", "StepProfile": "callbacks.profile",
     "NaNGuard": "callbacks.guard", "NonFiniteTrainingError": "callbacks.guard",

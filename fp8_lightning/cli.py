@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from .callbacks.checkpoint import Checkpoint
 from .callbacks.guard import NonFiniteTrainingError
-from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint_file, recorded_config
+from .checkpoint_files import CheckpointError, find_checkpoint, load_checkpoint_file, recorded_config
 from .commands.bench import bench
 from .commands.checkpoints import checkpoints, consolidate
 from .commands.doctor import doctor

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
 from typing_extensions import override
 
-from .checkpoint import (load_checkpoint_file, publish_directory, safe_lightning_dcp_loads,
+from .checkpoint_files import (load_checkpoint_file, publish_directory, safe_lightning_dcp_loads,
                          temporary_beside)
 from .fp8.plugin import fp8_plugin
 

@@ -84,13 +84,13 @@ def choose_engine(plugin: Any, module_class: type, config: Any, batch_size: int,
             choose_engine(plugin, module_class, config, batch_size, seq_len, attention)
             choice = (None if plugin.auto_bf16 else plugin.recipe_config["recipe"],
                       plugin.auto_figures)
-        plugin.take_choice(*broadcast(choice))
+        plugin.apply_auto_choice(*broadcast(choice))
         return plugin.backend
     if not torch.cuda.is_available():
-        plugin.take_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
+        plugin.apply_auto_choice(plugin.recipe_config["recipe"], "no GPU: nothing to measure")
     else:
         policy = {key: getattr(plugin, key) for key in POLICY_FIELDS}
-        plugin.take_choice(*choose(probe(config, batch_size, seq_len, attention, module_class,
+        plugin.apply_auto_choice(*choose(probe(config, batch_size, seq_len, attention, module_class,
                                          policy=policy)))
     rank_zero_only(log.info)("engine auto: %s (%s)", "BF16" if plugin.auto_bf16 else
                              f"{plugin.engine.name} {plugin.recipe_config['recipe']}",

@@ -33,7 +33,7 @@ from torch import nn
 from typing_extensions import override
 
 from .callbacks.guard import NaNGuard
-from .checkpoint import safe_lightning_dcp_loads
+from .checkpoint_files import safe_lightning_dcp_loads
 from .config import ConfigError
 from .distributed import full_tensor
 from .fp8 import FP8PrecisionBase

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from .te_support import te_available, te_module
+from .te_availability import te_available, te_module
 
 log = logging.getLogger(__name__)
 

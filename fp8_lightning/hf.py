@@ -325,7 +325,7 @@ def init_source(init_from: str) -> tuple[GPTConfig, Optional[str]]:
 
 @functools.lru_cache(maxsize=4)
 def _init_source(init_from: str, stamp: Optional[int]) -> tuple[GPTConfig, Optional[str]]:
-    from .checkpoint import is_sharded_checkpoint, load_checkpoint_file, recorded_config
+    from .checkpoint_files import is_sharded_checkpoint, load_checkpoint_file, recorded_config
     from .tokenizer import tokenizer_of
 
     path = Path(init_from).expanduser()
@@ -365,7 +365,7 @@ def init_config(init_from: str, config: Optional[GPTConfig]) -> GPTConfig:
 
 def init_weights(model: torch.nn.Module, init_from: str) -> None:
     """Copy the weights of ``model.init_from`` into a freshly built model (either backend)."""
-    from .checkpoint import consolidate_checkpoint
+    from .checkpoint_files import consolidate_checkpoint
 
     path = Path(init_from).expanduser()
     if _is_hf_directory(path):
@@ -438,7 +438,7 @@ def save_hf(config: GPTConfig, state: dict[str, torch.Tensor], directory: str | 
     an existing non-empty directory is never overwritten."""
     from safetensors.torch import save_file
 
-    from .checkpoint import publish_directory, temporary_beside
+    from .checkpoint_files import publish_directory, temporary_beside
 
     path = Path(directory).expanduser()
     if path.exists() and (not path.is_dir() or any(path.iterdir())):

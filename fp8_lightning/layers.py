@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .config import fc1_width
-from .te_support import te_module
+from .te_availability import te_module
 
 InitFn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -31,7 +31,7 @@ import torch
 from .config import ConfigError, GPTConfig, check_micro_batch
 from .flops import flops_per_token, mfu, peak_for
 from .fp8 import RECIPES, FP8Precision, engine_backend, get_engine
-from .te_support import te_status, te_version
+from .te_availability import te_status, te_version
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ def run_variant(variant: Variant, config: GPTConfig, batch_size: int, seq_len: i
     compiled, graphs = module.compiled, module.graphed is not None
     result.update(compiled=compiled, cuda_graphs=graphs)
     if plugin is not None:
-        result["precision"] = plugin.tag
+        result["precision"] = plugin.status
         result["bf16_modules"] = sorted(plugin.bf16_modules)
         if not plugin.fp8_active:
             return {**result, "status": "skipped", "reason": f"FP8 did not run: {plugin.reason}"}

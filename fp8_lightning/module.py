@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from .checkpoint import CheckpointError, checkpoint_versions
+from .checkpoint_files import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
 from .distributed import AgreedStop, full_tensor, is_sharded, reshards
 from .fast_path import GRAPHS_HOW, FastPath, plan_compile, plan_graphs
@@ -22,7 +22,7 @@ from .layers import runs_float8
 from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
                     uncompile_model)
 from .step_graph import StepGraph
-from .te_support import te_status
+from .te_availability import te_status
 
 if TYPE_CHECKING:
     from .memory import RunShape
@@ -646,7 +646,7 @@ class GPTLightningModule(L.LightningModule):
     def precision_tag(self) -> str:
         """``FP8 delayed`` or ``BF16 (fallback: reason)`` under FP8Precision, else the Trainer's."""
         plugin = fp8_plugin(self.trainer)
-        return plugin.tag if plugin is not None else str(self.trainer.precision)
+        return plugin.status if plugin is not None else str(self.trainer.precision)
 
     def effective_precision(self) -> str:
         """``fp8-<recipe>`` or ``bf16`` under FP8Precision, else the Trainer's precision."""

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .graphs import (_te_quantization_state, can_cache_weights, capture, fp8_now, fp8_state,
                      release, te_debug_on)
-from .te_support import te_available
+from .te_availability import te_available
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _te_layer(module: nn.Module) -> bool:
 
 
 @contextmanager
-def dynamo_around(blocks: Sequence[nn.Module],
+def te_layers_left_eager(blocks: Sequence[nn.Module],
                   opaque: Callable[[nn.Module], bool] = _te_layer) -> Iterator[None]:
     """While ``torch.compile``'d block forwards run (their capture): each ``opaque`` layer (TE's)
     is a call Dynamo runs eagerly, not one it traces into (TE 2.20's own compiled path needs a
@@ -340,7 +340,7 @@ class ModelBlockGraphs:
                 forwards = [torch.compile(f, dynamic=False) for f in forwards]
             units = tuple(_BoundBlock(b, f, self.calls[i].fixed)
                           for i, b, f in zip(order, blocks, forwards))
-            with dynamo_around(blocks) if compiled else nullcontext():
+            with te_layers_left_eager(blocks) if compiled else nullcontext():
                 return units, capture(units, tuple(a for a, _ in samples), True,
                                       self.clone_grads,
                                       sample_kwargs=tuple(k for _, k in samples),

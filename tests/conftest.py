@@ -52,7 +52,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    from fp8_lightning.te_support import te_status
+    from fp8_lightning.te_availability import te_status
 
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from fp8_lightning.te_support import fallback_precision
+from fp8_lightning.te_availability import fallback_precision
 
 
 # The GPU tests' small GPT-2 (every dim a multiple of 16, so it runs FP8) and its micro-batch.
@@ -76,7 +76,7 @@ def logged_fit(root, steps=6, logger="csv"):
 
 def small_checkpoint(path, step=0, val_loss=None, val_step=None, **config_fields):
     """A checkpoint as fit writes it, without weights (enough for everything before loading)."""
-    from fp8_lightning.checkpoint import atomic_torch_save
+    from fp8_lightning.checkpoint_files import atomic_torch_save
     from fp8_lightning.config import GPTConfig
 
     config = dict(GPTConfig(name="tiny").to_dict(), **config_fields)

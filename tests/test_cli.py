@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.te_support import fallback_precision
+from fp8_lightning.te_availability import fallback_precision
 from tests._runs import ROOT, run_cli, run_main
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_lightning.checkpoint import load_checkpoint_file
+from fp8_lightning.checkpoint_files import load_checkpoint_file
 from tests._runs import BATCH, ROOT, TOKENS_PER_STEP, fit_ranks, rank_settings, run_main
 
 

@@ -16,7 +16,7 @@ from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT
-from fp8_lightning.te_support import fallback_precision
+from fp8_lightning.te_availability import fallback_precision
 from tests._runs import ROOT, load_script
 from tests.helpers import PretendRan
 
@@ -80,7 +80,7 @@ def test_fabric_loop_falls_back_with_the_reason_and_resumes_exactly(tmp_path, ca
     assert any(m.startswith("FP8 is not available: ") for m in warnings), warnings
     expected = {"bf16-mixed": "bf16", "32-true": "fp32"}[fallback_precision()[0]]
     assert not plugin.fp8_active and plugin.effective_precision == expected
-    assert plugin.history[-1]["event"] == "unavailable" and "fallback: " in plugin.tag
+    assert plugin.history[-1]["event"] == "unavailable" and "fallback: " in plugin.status
 
     losses = train(fabric, model, optimizer, guard, 0, 3)
     path = tmp_path / "fabric.ckpt"

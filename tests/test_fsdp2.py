@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, consolidate_checkpoint, list_checkpoints,
+from fp8_lightning.checkpoint_files import (CheckpointError, consolidate_checkpoint, list_checkpoints,
                                       load_checkpoint_file)
 from fp8_lightning.cli import main
 from fp8_lightning.module import GPTLightningModule
@@ -192,7 +192,7 @@ def test_a_sharded_checkpoint_consolidates_on_the_cpu_whatever_the_default_devic
     """FSDP2Strategy builds (and so reads model.init_from) under its GPU as the default device;
     the consolidated checkpoint still lands on the CPU, not whole on every rank's GPU (here the
     meta device stands in for the GPU)."""
-    from fp8_lightning.checkpoint import consolidate_checkpoint
+    from fp8_lightning.checkpoint_files import consolidate_checkpoint
 
     with torch.device("meta"):
         state = consolidate_checkpoint(fsdp_runs[0] / "checkpoints" / "last.ckpt")

@@ -91,7 +91,7 @@ def test_a_users_model_trains_fp8_and_resumes_with_its_scaling_state(arch, recip
     first = "transformer.h.0.c_attn" if arch == "nanogpt" else "model.layers.0.self_attn.q_proj"
     weight = module.model.get_submodule(first).weight
     trainer, plugin = fit(module, 30, tmp_path, recipe)
-    assert plugin.fp8_active and plugin.tag == f"FP8 {recipe}", plugin.reason
+    assert plugin.fp8_active and plugin.status == f"FP8 {recipe}", plugin.reason
     assert plugin.bf16_modules == {"lm_head": "fp8_lm_head=false"}
     assert len(plugin.engine.modules_ran(plugin.model)) == n_gemms
     swapped = module.model.get_submodule(first)
@@ -377,7 +377,7 @@ def test_the_example_trains_fp8_under_the_plugin():
     run = example().main(["--steps", "30", "--batch_size", "16", "--recipe", "delayed",
                           "--devices", "1"])
     plugin = run["plugin"]
-    assert plugin.fp8_active and plugin.tag == "FP8 delayed", plugin.reason
+    assert plugin.fp8_active and plugin.status == "FP8 delayed", plugin.reason
     assert plugin.bf16_modules.get("lm_head") == "fp8_lm_head=false"
     assert len(plugin.engine.modules_ran(plugin.model)) == fp8_modules("nanogpt")
     assert float(run["trainer"].callback_metrics["train/loss"]) < 6.0  # below uniform: ln 512 = 6.24

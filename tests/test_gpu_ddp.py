@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from fp8_lightning.te_support import te_status
+from fp8_lightning.te_availability import te_status
 from tests._runs import run_cli
 
 pytestmark = [pytest.mark.gpu,

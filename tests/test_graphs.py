@@ -330,10 +330,10 @@ class Block(torch.nn.Module):
 
 
 def test_compiled_block_forwards_leave_te_layers_to_eager_and_compile_every_block():
-    """compile_blocks' Dynamo setting (own_model_graphs.dynamo_around): each block's forward compiled
+    """compile_blocks' Dynamo setting (own_model_graphs.te_layers_left_eager): each block's forward compiled
     around its TE layers (each called, not traced: here a stand-in), every block compiled,
     more blocks than Dynamo's default recompile limit, the same numbers as eager."""
-    from fp8_lightning.own_model_graphs import dynamo_around
+    from fp8_lightning.own_model_graphs import te_layers_left_eager
 
     torch._dynamo.reset()
     blocks = [Block() for _ in range(12)]
@@ -347,7 +347,7 @@ def test_compiled_block_forwards_leave_te_layers_to_eager_and_compile_every_bloc
 
     x = torch.randn(2, 3, 8)
     Opaque.traced = 0
-    with dynamo_around(blocks, opaque=lambda m: isinstance(m, Opaque)):
+    with te_layers_left_eager(blocks, opaque=lambda m: isinstance(m, Opaque)):
         compiled = [torch.compile(type(b).forward.__get__(b), backend=backend) for b in blocks]
         outs = [f(x) for f in compiled]
     assert Opaque.traced == 0
@@ -365,7 +365,7 @@ def test_compiled_blocks_are_primed_for_the_capture_after_te_s_warm_up(primed):
     capture's calls, forward and backward, so the "capture" (here: the same calls, any compile
     an error) compiles nothing; unprimed, it would recompile mid-capture."""
     from fp8_lightning.graphs import prime_compiled
-    from fp8_lightning.own_model_graphs import _BoundBlock, dynamo_around
+    from fp8_lightning.own_model_graphs import _BoundBlock, te_layers_left_eager
 
     torch._dynamo.reset()
     blocks = [Block() for _ in range(3)]
@@ -378,7 +378,7 @@ def test_compiled_blocks_are_primed_for_the_capture_after_te_s_warm_up(primed):
         for out in reversed(outs):
             out.sum().backward()
 
-    with dynamo_around(blocks, opaque=lambda m: isinstance(m, Opaque)):
+    with te_layers_left_eager(blocks, opaque=lambda m: isinstance(m, Opaque)):
         for _ in range(2):  # TE's warm-up: a forward hook on every module of a unit
             hooks = [m.register_forward_hook(lambda *_: None) for u in units for m in u.modules()]
             forward_backward()

@@ -81,7 +81,7 @@ def test_fp8_formats_are_computed_live(cpu_outputs):
 
 def test_training_states_what_ran_and_the_loss_is_finite(cpu_outputs):
     out = cpu_outputs
-    from fp8_lightning.te_support import fallback_precision, te_status
+    from fp8_lightning.te_availability import fallback_precision, te_status
 
     ok, reason = te_status()
     precision, why = fallback_precision()
@@ -103,7 +103,7 @@ def test_training_states_what_ran_and_the_loss_is_finite(cpu_outputs):
 
 
 def test_doctor_explains_fp8_needs_a_gpu(cpu_outputs):
-    from fp8_lightning.te_support import te_status
+    from fp8_lightning.te_availability import te_status
 
     if te_status()[0]:
         pytest.skip("FP8 machine: the GPU test covers the probe")

@@ -38,7 +38,7 @@ def test_torchao_floor_is_the_one_checked():
 
 
 def test_private_apis_are_capped_and_te_floor_is_the_one_checked():
-    from fp8_lightning.te_support import TE_MIN_VERSION, TE_REQUIREMENT
+    from fp8_lightning.te_availability import TE_MIN_VERSION, TE_REQUIREMENT
 
     for name in ("lightning", "litdata"):  # private APIs used: an upper bound each
         assert any(s.operator == "<" for s in CORE[name].specifier), CORE[name]

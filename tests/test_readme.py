@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp8_lightning.cli import EXTRA_COMMANDS
-from fp8_lightning.te_support import fallback_precision, te_status
+from fp8_lightning.te_availability import fallback_precision, te_status
 from tests._runs import run_main, run_main_logged
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, MetadataUnpickler, consolidate_checkpoint,
+from fp8_lightning.checkpoint_files import (CheckpointError, MetadataUnpickler, consolidate_checkpoint,
                                       read_dcp_metadata, safe_lightning_dcp_loads)
 from fp8_lightning.config import GPTConfig
 from tests._runs import run_main

@@ -1,4 +1,4 @@
-"""``Checkpoint``: Lightning's ``ModelCheckpoint`` with atomic writes (:mod:`fp8_lightning.checkpoint`),
+"""``Checkpoint``: Lightning's ``ModelCheckpoint`` with atomic writes (:mod:`fp8_lightning.checkpoint_files`),
 a stable directory and keep-last-K."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from ..checkpoint import (AtomicCheckpointIO, link_copy_directory, remove_stale_temporaries,
+from ..checkpoint_files import (AtomicCheckpointIO, link_copy_directory, remove_stale_temporaries,
                           temporary_beside)
 
 

@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from ..checkpoint import load_checkpoint_file
+from ..checkpoint_files import load_checkpoint_file
 from ..config import ConfigError
 from ..distributed import local_tensor
 from ..fp8.plugin import fp8_plugin

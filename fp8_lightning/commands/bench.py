@@ -55,7 +55,7 @@ from ..measure import DEFAULT_VARIANTS, environment, measure, method, parse_vari
 from ..module import GPTLightningModule
 from ..plots import MissingExtraError
 from ..progress import Progress
-from ..te_support import cpu_has_native_bf16, te_status
+from ..te_availability import cpu_has_native_bf16, te_status
 from .run_config import check_fp8_plugin, fp8_plugin_args, load_run_config, positive_int_problems
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checkpoint import (DCP_METADATA, SHARDED_META, CheckpointError, atomic_torch_save,
+from ..checkpoint_files import (DCP_METADATA, SHARDED_META, CheckpointError, atomic_torch_save,
                           consolidate_checkpoint, describe_checkpoint, human_size,
                           is_sharded_checkpoint, list_checkpoints, load_checkpoint_file,
                           temporary_beside)

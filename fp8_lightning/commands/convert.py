@@ -36,7 +36,7 @@ def convert(output: str, from_hf: Optional[str] = None, to_hf: Optional[str] = N
 def hf_to_checkpoint(directory: str, output: str) -> Path:
     from lightning import __version__ as lightning_version
 
-    from ..checkpoint import atomic_torch_save, checkpoint_versions
+    from ..checkpoint_files import atomic_torch_save, checkpoint_versions
     from ..tokenizer import tokenizer_of
 
     dst = Path(output).expanduser()
@@ -61,7 +61,7 @@ def hf_to_checkpoint(directory: str, output: str) -> Path:
 
 
 def checkpoint_to_hf(checkpoint: str, output: str, tokenizer: Optional[str] = None) -> Path:
-    from ..checkpoint import consolidate_checkpoint, recorded_config
+    from ..checkpoint_files import consolidate_checkpoint, recorded_config
 
     ckpt = consolidate_checkpoint(checkpoint)
     config = recorded_config(ckpt, checkpoint)

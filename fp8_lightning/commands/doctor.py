@@ -33,7 +33,7 @@ from ..fp8 import DEFAULT_RECIPE, RECIPES, Gemm, bf16_module_names, build_recipe
 from ..measure import environment, free_memory, measure, parse_variant
 from ..model import GPT
 from ..module import GPTLightningModule
-from ..te_support import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
+from ..te_availability import (MIN_FP8_CAPABILITY, TE_MIN_VERSION, fallback_precision, te_module,
                          te_status)
 from .run_config import RunConfig, check_fp8_plugin, load_run_config, positive_int_problems
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from ..checkpoint import consolidate_checkpoint, recorded_config
+from ..checkpoint_files import consolidate_checkpoint, recorded_config
 from ..config import ConfigError
 from ..model import GPT
 
@@ -37,7 +37,7 @@ def read_model_checkpoint(ckpt: str) -> dict[str, Any]:
 def load_model(ckpt: str, device: str = "auto", backend: str = "auto"
                ) -> tuple[GPT, dict[str, Any], torch.device]:
     """The GPT of a checkpoint on ``device`` (``auto``/``cpu``/``cuda``) with ``backend``."""
-    from ..te_support import te_status
+    from ..te_availability import te_status
 
     problems = []
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..checkpoint import human_size, publish_directory
+from ..checkpoint_files import human_size, publish_directory
 from ..config import ConfigError
 from ..progress import Progress, tallied, tally_of
 from ..tokenizer import get_tokenizer

@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..checkpoint import CheckpointError
+from ..checkpoint_files import CheckpointError
 from ..config import ConfigError, check_micro_batch
 from ..tokenizer import ASSETS, tokenizer_key
 from .prepare import META, prepare

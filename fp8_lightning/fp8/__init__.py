@@ -6,8 +6,8 @@ One job per file:
   validation; a new recipe is one entry.
 * :mod:`.policy`: the layer policy, the one filter that keeps modules BF16.
 * :mod:`.engine`: what an engine does; :mod:`.te_engine` (TransformerEngine modules) and
-  :mod:`.torchao_engine` (PyTorch-native float8 in the PyTorch layers) do it; :mod:`.engines`
-  names them.
+  :mod:`.torchao_engine` (PyTorch-native float8 in the PyTorch layers) do it;
+  :mod:`.engine_registry` names them.
 * :mod:`.plugin`: the precision plugin (``FP8Precision``; Fabric's form in
   :mod:`fp8_lightning.fabric`), the fallback to BF16 and :func:`fp8_plugin`, the accessor.
 * :mod:`.scaling_state`: TE's delayed-scaling state in checkpoints, as plain tensors.
@@ -18,7 +18,7 @@ engines by name (what an engine does with TE or torchao stays inside it).
 """
 
 from .engine import Engine
-from .engines import engine_backend, get_engine
+from .engine_registry import engine_backend, get_engine
 from .gemm_timing import Gemm
 from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin
 from .policy import bf16_module_names

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..te_support import te_module
+from ..te_availability import te_module
 
 
 @dataclass

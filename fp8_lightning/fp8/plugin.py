@@ -22,10 +22,10 @@ from torch import nn
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..te_support import fallback_precision
+from ..te_availability import fallback_precision
 from .attention import cudnn_first, cudnn_is_first, prefer_cudnn, settle_order
 from .engine import Engine
-from .engines import get_engine
+from .engine_registry import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
 from .recipes import DEFAULT_RECIPE, ENGINES, RECIPES, build_recipe_config, recipe_names
 
@@ -238,7 +238,7 @@ class FP8PrecisionBase(FabricPrecision):
         return "fp32" if self.precision == "32-true" else "bf16"
 
     @property
-    def tag(self) -> str:
+    def status(self) -> str:
         """What runs and why: ``FP8 delayed`` or ``BF16 (fallback: <reason>)``."""
         if self.fp8_active:
             return f"FP8 {self.recipe_config['recipe']}"
@@ -253,7 +253,7 @@ class FP8PrecisionBase(FabricPrecision):
         return self._model_ref() if self._model_ref is not None else None
 
     # ----------------------------------------------------------------------------- setup
-    def take_choice(self, recipe: Optional[str], figures: str) -> None:
+    def apply_auto_choice(self, recipe: Optional[str], figures: str) -> None:
         """``engine: auto``'s result (:func:`fp8_lightning.engine_auto.choose_engine`): an FP8
         recipe, keeping this plugin's fields that recipe has, or ``None`` for BF16."""
         self.auto, self.auto_figures = False, figures

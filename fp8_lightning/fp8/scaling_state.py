@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from ..te_support import te_status
+from ..te_availability import te_status
 
 log = logging.getLogger(__name__)
 

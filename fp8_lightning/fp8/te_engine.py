@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from ..te_support import gpu_fp8_capable, te_module, te_status
+from ..te_availability import gpu_fp8_capable, te_module, te_status
 from .engine import Engine
 from .mlp_fusion import MLPChain, fuse_block, mlp_chains
 from .norm_fusion import FusedNorm, fusable_pairs, keep_norm_keys

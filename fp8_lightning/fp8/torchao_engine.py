@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
-from ..te_support import gpu_fp8_capable
+from ..te_availability import gpu_fp8_capable
 from .engine import Engine
 from .policy import gemm_weights, is_conv1d, runs_bf16
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from fp8_lightning.callbacks.checkpoint import Checkpoint
-import fp8_lightning.checkpoint as checkpoint_module
-from fp8_lightning.checkpoint import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
+import fp8_lightning.checkpoint_files as checkpoint_module
+from fp8_lightning.checkpoint_files import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
                                       remove_stale_temporaries)
 from fp8_lightning.config import GPTConfig
 from tests._runs import ROOT, fit_error, run_cli
@@ -79,7 +79,7 @@ def test_temporaries_of_killed_writes_are_removed_when_checkpointing_starts(tmp_
 
     trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[Checkpoint()], logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    with caplog.at_level(logging.INFO, logger="fp8_lightning.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="fp8_lightning.checkpoint_files"):
         trainer.checkpoint_callback.setup(trainer, L.LightningModule(), "fit")
 
     assert sorted(p.name for p in directory.iterdir()) == [

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fp8_lightning import Checkpoint, FaultInjection, NaNGuard, NonFiniteTrainingError
-from fp8_lightning.checkpoint import load_checkpoint_file
+from fp8_lightning.checkpoint_files import load_checkpoint_file
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.module import GPTLightningModule
 from tests.helpers import PretendFP8Precision, Snapshots

@@ -39,12 +39,12 @@ def test_line_format_bf16_fallback_and_cpu():
 def test_precision_tag_text():
     plugin = FP8Precision(recipe="current")
     plugin.fp8_active = True
-    assert plugin.tag == "FP8 current"
+    assert plugin.status == "FP8 current"
     plugin.disable_fp8("loss spike")
-    assert plugin.tag == "BF16 (fallback: loss spike)"
+    assert plugin.status == "BF16 (fallback: loss spike)"
     # The monitor asks the module; without one it falls back to the Trainer's precision.
-    module = SimpleNamespace(precision_tag=lambda: plugin.tag)
-    assert M.precision_tag(SimpleNamespace(precision="bf16-mixed"), module) == plugin.tag
+    module = SimpleNamespace(precision_tag=lambda: plugin.status)
+    assert M.precision_tag(SimpleNamespace(precision="bf16-mixed"), module) == plugin.status
     assert M.precision_tag(SimpleNamespace(precision="bf16-mixed"), object()) == "bf16-mixed"
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import list_checkpoints, load_checkpoint_file
+from fp8_lightning.checkpoint_files import list_checkpoints, load_checkpoint_file
 from fp8_lightning.cli import main
 from tests._runs import ROOT, fit_error
 from tests._runs import run_cli
@@ -126,7 +126,7 @@ def sharded_of_size(path, megabytes):
 def test_consolidate_prints_the_bytes_read_and_written_of_the_total_while_it_works(
         tmp_path, capsys, monkeypatch):
     from fp8_lightning import progress
-    from fp8_lightning.checkpoint import human_size
+    from fp8_lightning.checkpoint_files import human_size
 
     src = sharded_of_size(tmp_path / "last.ckpt", 64)
     total = human_size(sum(f.stat().st_size for f in src.iterdir()))

@@ -13,7 +13,7 @@ import torch
 from fp8_lightning.commands.doctor import (EXIT_BAD_CONFIG, EXIT_FP8_UNUSABLE, EXIT_OK, cudnn_text,
                                            doctor, model_gemms, predict, suggest)
 from fp8_lightning.config import GPTConfig
-from fp8_lightning.te_support import fallback_precision
+from fp8_lightning.te_availability import fallback_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,18 +129,18 @@ def test_cudnn_version_text():
 @pytest.fixture
 def old_te(monkeypatch):
     """TransformerEngine 2.10 installed: below the floor this code needs."""
-    from fp8_lightning import te_support
+    from fp8_lightning import te_availability
 
-    monkeypatch.setattr(te_support, "TE_REQUIREMENT", False)
-    monkeypatch.setattr(te_support, "te_version", lambda: "2.10.0")
-    te_support.te_status.cache_clear()
+    monkeypatch.setattr(te_availability, "TE_REQUIREMENT", False)
+    monkeypatch.setattr(te_availability, "te_version", lambda: "2.10.0")
+    te_availability.te_status.cache_clear()
     yield
-    te_support.te_status.cache_clear()
+    te_availability.te_status.cache_clear()
 
 
 def test_too_old_transformer_engine_is_a_reason_not_a_crash(old_te, capsys):
     from fp8_lightning.fp8.te_engine import recipe_available
-    from fp8_lightning.te_support import TE_MIN_VERSION, te_status
+    from fp8_lightning.te_availability import TE_MIN_VERSION, te_status
 
     reason = 'TransformerEngine 2.10.0 found, >= 2.18 needed (pip install -U "fp8-lightning[te]")'
     assert TE_MIN_VERSION == "2.18" and te_status() == (False, reason)

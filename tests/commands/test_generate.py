@@ -3,7 +3,7 @@ import shutil
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import CheckpointError
+from fp8_lightning.checkpoint_files import CheckpointError
 from fp8_lightning.commands.generate import generate
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.model import GPT

@@ -229,7 +229,7 @@ def test_prepare_command_prints_one_error_and_exits_2(tmp_path, capsys, dataset)
 
 def test_prepare_prints_progress_lines_with_the_bytes_done_of_the_total(tmp_path, monkeypatch):
     from fp8_lightning import progress
-    from fp8_lightning.checkpoint import human_size
+    from fp8_lightning.checkpoint_files import human_size
 
     for name, text in (("a.txt", TEXT_A), ("b.txt", TEXT_B)):
         (tmp_path / name).write_text(text)

@@ -79,7 +79,7 @@ def test_the_example_trains_under_the_plugin_and_says_what_ran(recipe):
     run = example().main(["--steps", "6", "--batch_size", "4", "--recipe", recipe])
     plugin, trainer = run["plugin"], run["trainer"]
     assert trainer.global_step == 6
-    assert not plugin.fp8_active and plugin.tag.split(" ")[1] == "(fallback:", plugin.tag
+    assert not plugin.fp8_active and plugin.status.split(" ")[1] == "(fallback:", plugin.status
     assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
     # nothing was swapped: the user's own modules, as they wrote them
     assert all(type(m).__module__.startswith("torch.") for m in run["module"].model.modules()

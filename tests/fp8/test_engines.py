@@ -289,7 +289,7 @@ def test_fsdp2_strategy_gathers_float8_and_precomputes_the_scales_once_per_optim
     import torch.distributed as dist
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    from fp8_lightning.checkpoint import consolidate_checkpoint
+    from fp8_lightning.checkpoint_files import consolidate_checkpoint
     from fp8_lightning.distributed import FSDP2Strategy
     from fp8_lightning.fp8 import torchao_engine
 

@@ -78,8 +78,8 @@ def test_fallback_without_te_or_gpu_says_why(caplog, fallback):
     with caplog.at_level(logging.WARNING):
         plugin.convert_module(GPT(GPTConfig.from_name("tiny")))
     assert not plugin.fp8_active and plugin.effective_precision == fallback
-    assert plugin.tag.startswith(f"{fallback.upper()} (fallback: ")
-    assert FALLBACKS[fallback][1] in plugin.tag  # the reason for the precision too
+    assert plugin.status.startswith(f"{fallback.upper()} (fallback: ")
+    assert FALLBACKS[fallback][1] in plugin.status  # the reason for the precision too
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "FP8 is not available:" in warnings[0].getMessage()
     assert f"Running {FALLBACKS[fallback][1]}" in warnings[0].getMessage()
@@ -88,7 +88,7 @@ def test_fallback_without_te_or_gpu_says_why(caplog, fallback):
 
 def test_the_real_fallback_matches_this_cpu():
     """This machine's answer agrees with its instruction set (the CI CPUs have no BF16)."""
-    from fp8_lightning.te_support import cpu_has_native_bf16, fallback_precision
+    from fp8_lightning.te_availability import cpu_has_native_bf16, fallback_precision
 
     if torch.cuda.is_available():
         pytest.skip("a GPU machine")
@@ -139,9 +139,9 @@ def test_switch_records_history_when_fp8_was_active():
     plugin = FP8Precision()
     plugin.fp8_available = plugin.fp8_active = True  # as after a successful setup on a GPU
     plugin.disable_fp8("loss was NaN", step=40)
-    assert plugin.tag == "BF16 (fallback: loss was NaN)"
+    assert plugin.status == "BF16 (fallback: loss was NaN)"
     assert plugin.enable_fp8(reset_scaling=False, step=90) is True
-    assert plugin.tag == "FP8 delayed"
+    assert plugin.status == "FP8 delayed"
     assert [(h["event"], h["step"]) for h in plugin.history] == [("disabled", 40), ("enabled", 90)]
     restored = FP8Precision()
     restored.fp8_active = True

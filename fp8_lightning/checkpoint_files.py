@@ -546,7 +546,7 @@ def find_checkpoint(which: str, directory: str | os.PathLike) -> str:
 
 def checkpoint_versions() -> dict[str, str]:
     """Versions recorded in every checkpoint: torch, lightning, TransformerEngine."""
-    from .te_support import te_version
+    from .te_availability import te_version
 
     return {"torch": str(torch.__version__), "lightning": str(L.__version__),
             "transformer_engine": str(te_version())}

@@ -1,4 +1,4 @@
-"""The checkpoint file (``fp8_lightning/checkpoint.py``): atomic writes under SIGKILL, loading
+"""The checkpoint file (``fp8_lightning/checkpoint_files.py``): atomic writes under SIGKILL, loading
 without unpickling, what a recorded config this version does not know does, ``--ckpt_path
 last|best`` and the directory publish that sharded checkpoints use.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning.checkpoint import (CheckpointError, atomic_torch_save, find_checkpoint,
+from fp8_lightning.checkpoint_files import (CheckpointError, atomic_torch_save, find_checkpoint,
                                       load_checkpoint_file, publish_directory)
 from fp8_lightning.config import ConfigError, GPTConfig
 from tests._runs import ROOT, cli_error
@@ -30,7 +30,7 @@ def test_sigkill_during_write_leaves_the_previous_checkpoint_loadable(tmp_path):
                        "pytorch-lightning_version": "2.6.0"}, target)
     writer = textwrap.dedent(f"""
         import torch
-        from fp8_lightning.checkpoint import AtomicCheckpointIO
+        from fp8_lightning.checkpoint_files import AtomicCheckpointIO
         big = {{"state_dict": {{"w": torch.ones(64, 1024, 1024)}}, "global_step": 2,  # 256 MB
                "pytorch-lightning_version": "2.6.0"}}
         while True:
