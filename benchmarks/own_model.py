@@ -19,7 +19,6 @@ GPU compute and GPU idle (host-bound) milliseconds: what to optimise.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -75,10 +74,9 @@ def lit_module(name: str, compile: bool):
 
     kind, dims, _ = MODELS[name]
     if kind == "nanogpt":
-        spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
-        own = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(own)
-        return own.LitNanoGPT(**dims, lr=3e-4, compile=compile)
+        from examples.own_model import LitNanoGPT
+
+        return LitNanoGPT(**dims, lr=3e-4, compile=compile)
 
     import transformers
 

@@ -20,8 +20,8 @@ BYTES_VOCAB = 257
 
 
 def load_script(path: str):
-    """A script of the repository that is no package module (``examples/own_model.py``,
-    ``scripts/multi_gpu_summary.py``), imported from its file."""
+    """A script of the repository that is no package module (``scripts/multi_gpu_summary.py``),
+    imported from its file (``examples/`` is a package: ``from examples import own_model``)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)

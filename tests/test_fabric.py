@@ -3,6 +3,7 @@
 FP8 itself under Fabric runs in tests/test_gpu_fabric.py.
 """
 
+import importlib
 import logging
 import re
 import subprocess
@@ -17,7 +18,7 @@ from fp8_lightning.fabric import FabricFP8Precision, FabricNaNGuard
 from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.model import GPT
 from fp8_lightning.te_availability import fallback_precision
-from tests._runs import ROOT, load_script
+from tests._runs import ROOT
 from tests.helpers import PretendRan
 
 B, T = 2, 32
@@ -147,7 +148,7 @@ def test_fabric_guard_arguments():
 
 
 def test_the_example_trains_saves_and_resumes(tmp_path, capsys):
-    example = load_script("examples/fabric_train.py")
+    example = importlib.import_module("examples.fabric_train")
     args = ["--ckpt", str(tmp_path / "last.ckpt"), "--n_layer", "1", "--batch_size", "2",
             "--seq_len", "32", "--corpus_chars", "20000", "--log_every", "1",
             "--accelerator", "cpu"]
@@ -187,7 +188,7 @@ def test_the_example_under_fsdp2_on_two_ranks_saves_shards_and_resumes_exactly(t
 def test_the_example_refuses_a_checkpoint_of_the_other_layout(tmp_path, capsys):
     """A sharded checkpoint (a directory) resumes only under FSDP2 and a file only without it:
     one error line naming the way out, before any training."""
-    example = load_script("examples/fabric_train.py")
+    example = importlib.import_module("examples.fabric_train")
     (tmp_path / "sharded.ckpt").mkdir()
     (tmp_path / "one.ckpt").write_bytes(b"")
     for ckpt, strategy in (("sharded.ckpt", "ddp"), ("one.ckpt", "fsdp")):

@@ -3,13 +3,14 @@ holds the CPU side): a user's plain ``torch.nn`` GPT (``examples/own_model.py``)
 ``LlamaForCausalLM`` inside a user's ``LightningModule`` train FP8 under ``FP8Precision``, keep the
 model's own state-dict keys, and resume from their checkpoints with their scaling state."""
 
+import importlib
+
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fp8_lightning.fp8 import FP8Precision
-from tests._runs import load_script
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA and TE (tests/conftest.py)
 
@@ -17,7 +18,7 @@ B, T, VOCAB = 16, 64, 512
 
 
 def example():
-    return load_script("examples/own_model.py")
+    return importlib.import_module("examples.own_model")
 
 
 class LitLlama(L.LightningModule):

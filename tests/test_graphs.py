@@ -1,6 +1,8 @@
 """Where a training step may replay CUDA graphs (the replays themselves need a GPU:
 tests/test_gpu_fast_path.py and tests/test_gpu_engines.py run them)."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -34,7 +36,6 @@ def test_one_gpu_replays_the_stack_ddp_a_graph_per_block_and_fsdp2_the_step():
 import torch  # noqa: E402
 
 from fp8_lightning.own_model_graphs import ModelBlockGraphs, _Call  # noqa: E402
-from tests._runs import load_script  # noqa: E402
 
 
 class DynamicCache:  # what Hugging Face passes a decoder layer when use_cache is on
@@ -77,7 +78,7 @@ def test_a_call_with_a_cache_object_cannot_be_replayed_and_says_what_to_change()
 
 
 def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     torch.manual_seed(0)
     model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
     idx = torch.randint(0, 128, (2, 16))
@@ -106,7 +107,7 @@ def test_a_users_blocks_are_recorded_in_training_and_stay_eager_without_a_gpu():
 def test_a_model_left_in_eval_mode_is_recorded_in_the_plugins_training_forward():
     """``from_pretrained`` leaves a Hugging Face model in ``eval()``, and Lightning trains it so
     (with a warning): its training forwards are recorded, with the mode, which a replay needs."""
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32).eval()
     graphs = ModelBlockGraphs(model.transformer.h)
     with graphs.training_forward():
@@ -247,7 +248,7 @@ def test_a_captured_block_is_freed_with_its_model():
 def test_blocks_never_called_in_training_turn_the_graphs_off_and_say_which():
     """A model that skips some of its blocks (a layer drop) or compiles them: after a few
     training forwards without every block's call, the recording stops, with the reason."""
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
     graphs = ModelBlockGraphs(model.transformer.h)
     x = torch.randn(2, 16, 32)
@@ -262,7 +263,7 @@ def test_blocks_never_called_in_training_turn_the_graphs_off_and_say_which():
 def test_a_block_with_its_own_instance_forward_is_not_captured():
     """A wrapper on the instance (accelerate's hooks, a user's patch) would be skipped by a
     capture: the graphs stay off and say why, and the wrapper stays."""
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     model = own.NanoGPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
     wrapped = model.transformer.h[1]
     wrapper = wrapped.forward

@@ -3,19 +3,20 @@
 GEMMs run on a CPU too (``torch._scaled_mm`` has a CPU kernel). The TE engine's swap of
 ``nn.Linear`` for ``te.Linear`` needs a GPU (tests/test_gpu_any_model.py)."""
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from fp8_lightning.fp8 import bf16_module_names, build_recipe_config, get_engine
 from fp8_lightning.fp8.policy import find_blocks, find_lm_head
-from tests._runs import load_script
 
 torchao = pytest.importorskip("torchao")
 
 
 def example():
-    return load_script("examples/own_model.py")
+    return importlib.import_module("examples.own_model")
 
 
 def pair():

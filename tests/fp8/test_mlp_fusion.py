@@ -4,6 +4,7 @@ fused block computing what the user's block computes, with the user's checkpoint
 ``te.LayerNormMLP`` needs a GPU (tests/test_gpu_any_model.py); here the package's PyTorch twin of
 it, with TE's parameter names, stands in for it."""
 
+import importlib
 import copy
 
 import pytest
@@ -16,7 +17,6 @@ from fp8_lightning.fp8.norm_fusion import FusedNorm
 from fp8_lightning.fp8.policy import find_blocks
 from fp8_lightning.fp8.te_engine import drop_extra_state, expect_no_extra_state
 from fp8_lightning.layers import TorchLayerNormMLP, normal_init
-from tests._runs import load_script
 
 
 def twin_mlp(norm, fc1, fc2):
@@ -44,7 +44,7 @@ def fuse(model):
 
 def nanogpt():
     torch.manual_seed(0)
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     return own, own.NanoGPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 

@@ -3,6 +3,8 @@
 nothing else, as the block's traced graph shows. The swap itself (``te.LayerNormLinear``) needs
 TE on a GPU (tests/test_gpu_any_model.py)."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,11 +12,10 @@ from torch import nn
 
 from fp8_lightning.fp8.norm_fusion import FusedNorm, fusable_pairs
 from fp8_lightning.fp8.policy import find_blocks
-from tests._runs import load_script
 
 
 def test_the_examples_two_norms_per_block_go_into_the_gemm_after_them():
-    own = load_script("examples/own_model.py")
+    own = importlib.import_module("examples.own_model")
     model = own.NanoGPT(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=128)
     prefix, n = find_blocks(model)
     pairs, why = fusable_pairs(model.get_submodule(prefix), prefix)
