@@ -431,9 +431,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         # (pytorch/torchtitan#2050). Here, not only in the module's teardown hook, which a run
         # that raised (a SIGTERM stop, a NaN error) never reaches.
         free = getattr(self.lightning_module, "free_step_graph", None)
-        if callable(free):
-            free()
-        super().teardown()
+        try:
+            if callable(free):
+                free()
+        finally:
+            super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None

@@ -380,9 +380,10 @@ class GPTLightningModule(L.LightningModule):
 
     @property
     def graphed(self) -> Optional[str]:
-        """What the training step's CUDA graphs replay now, ``"FP8"`` or ``"BF16"``; None while
-        no graph replays (not captured, off, or on the TE backend stepped aside for a BF16
-        fallback; the PyTorch backend's graphs replay either, each captured once)."""
+        """What the training step's CUDA graphs replay now (after a fit: replayed at its end,
+        FSDP2's step graph being freed then), ``"FP8"`` or ``"BF16"``; None while no graph
+        replays (not captured, off, or on the TE backend stepped aside for a BF16 fallback; the
+        PyTorch backend's graphs replay either, each captured once)."""
         if self._cudagraphed:
             return "FP8" if runs_float8(self.model) else "BF16"
         if self._step_graph is not None:

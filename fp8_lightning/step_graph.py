@@ -15,6 +15,7 @@ reduce-scatters add into the same ``.grad`` memory at every replay.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Optional
 
@@ -92,8 +93,8 @@ class StepGraph:
         """Put the captured gradient tensors back on their parameters, before any step of this
         key, eager ones included. Lightning drops every gradient before a validation
         (``on_validation_model_zero_grad``): FSDP2's next eager backward would then give each
-        parameter a new gradient while the replays go on adding into the captured ones (memory
-        the allocator may have handed to anything since)."""
+        parameter a new gradient, a view of its reduce-scatter's output, while the replays go on
+        adding into the captured tensors, which are no longer the parameters' gradients."""
         for param, grad in self.grads:
             current = param.grad
             if current is not grad:
@@ -109,7 +110,11 @@ class StepGraph:
                 self.loss = step(*self.inputs)
         except Exception as err:
             # Not eager from here: the step stopped halfway through FSDP2's gathers and TE's
-            # amax bookkeeping, and the other ranks may have captured theirs.
+            # amax bookkeeping, and the other ranks may have captured theirs. The half-captured
+            # graph is reset first: the traceback keeps it alive, and its NCCL work outliving
+            # the process group would hang the exit (see free).
+            with contextlib.suppress(Exception):
+                graph.reset()
             message = " ".join(str(err).split())[:300]
             raise RuntimeError(f"capturing the training step as a CUDA graph failed "
                                f"({type(err).__name__}: {message}); model.cuda_graphs: false "
@@ -129,9 +134,15 @@ class StepGraph:
         """At the end of a fit: free the graph and its pool before the process group goes
         (Lightning destroys it at exit). A graph holding NCCL collectives outliving its
         communicator hangs the process's exit (pytorch/torchtitan#2050 frees its graphs so)."""
-        if self.graph is not None:
-            torch.cuda.synchronize()
-            self.graph, self.loss, self.freed = None, None, True
+        graph, self.graph, self.loss = self.graph, None, None
+        if graph is not None:
+            self.freed = True
+            # (a run that failed on the GPU raises its error again here: that one is reported
+            # already, and must not hide it nor keep the graph)
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()  # a replay may still run
+            with contextlib.suppress(Exception):
+                graph.reset()
 
     def remove(self) -> None:
         """:meth:`release`, and stop watching the model's forward."""

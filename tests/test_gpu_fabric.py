@@ -3,6 +3,8 @@
 Skips cleanly without CUDA/TE (see conftest.py).
 """
 
+import importlib
+
 import lightning as L
 import pytest
 import torch
@@ -102,9 +104,7 @@ def test_the_fabric_example_replays_its_blocks_as_cuda_graphs_and_trains_as_eage
                                                                                     capsys):
     """examples/fabric_train.py on one GPU: the TE blocks captured as one CUDA graph under the
     plugin's FP8 context (as fit's step), and the loss curve that of the eager blocks."""
-    from tests._runs import load_script
-
-    example = load_script("examples/fabric_train.py")
+    example = importlib.import_module("examples.fabric_train")
     args = ["--model", "gpt2", "--n_layer", "4", "--batch_size", "8", "--seq_len", "256",
             "--steps", "20", "--log_every", "5", "--save_every", "100", "--fresh",
             "--corpus_chars", "300000", "--accelerator", "gpu"]

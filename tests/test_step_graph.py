@@ -75,3 +75,70 @@ def test_the_step_opens_the_autocast_and_its_gradients_stay_allocated(runs):
     (_, own_plugin, own), (_, plugin, step) = runs
     assert plugin.step_owns_autocast and not own_plugin.step_owns_autocast
     assert all(step.grads_kept) and not any(own.grads_kept)
+
+
+def test_the_captured_gradients_stay_the_parameters_gradients_through_a_validation(tmp_path):
+    """Lightning drops every gradient before a validation; FSDP2's next (eager) backward would
+    then give each parameter a new gradient while the graph's replays add into the captured
+    ones. Before each step the captured tensors go back, zeroed (or holding what a gradient
+    that replaced them held), so an eager backward adds into the memory the replays add into."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8_lightning.step_graph import StepGraph
+
+    ours = not dist.is_initialized()  # (a fit before, in this process, leaves its own)
+    if ours:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        step = StepGraph(model)
+        step.grads = [(p, p.grad) for p in model.parameters()]  # as a capture records them
+        first = [g.full_tensor().clone() for _, g in step.grads]
+
+        model.zero_grad(set_to_none=True)  # Lightning, before a validation
+        step._keep_grads()
+        assert all(p.grad is g and not g.full_tensor().any() for p, g in step.grads)
+        model(x).sum().backward()  # the eager step after the validation
+        assert all(p.grad is g for p, g in step.grads)
+        assert all(torch.equal(g.full_tensor(), f) for (_, g), f in zip(step.grads, first))
+
+        for p, _ in step.grads:  # a gradient put in their place: its values are kept
+            p.grad = p.grad * 2
+        step._keep_grads()
+        assert all(p.grad is g for p, g in step.grads)
+        assert all(torch.equal(g.full_tensor(), 2 * f) for (_, g), f in zip(step.grads, first))
+        step.remove()
+    finally:
+        if ours:
+            dist.destroy_process_group()
+
+
+def test_a_freed_step_graph_is_reset_and_still_says_what_it_replayed():
+    """At the end of a fit the graph is reset (its NCCL work must not outlive the process
+    group); ``replaying`` still names the key, until the graph is released or captured anew."""
+    from fp8_lightning.step_graph import StepGraph
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph, which needs a GPU
+        was_reset = False
+
+        def reset(self):
+            self.was_reset = True
+
+    step, graph = StepGraph(torch.nn.Linear(2, 2)), Graph()
+    step.key, step.graph = ((8, 1024), 1, True), graph
+    assert step.replaying == ((8, 1024), 1, True)
+    step.free()
+    assert graph.was_reset and step.graph is None and step.replaying == ((8, 1024), 1, True)
+    step.free()  # a second teardown: nothing left to free
+    step.release()
+    assert step.replaying is None
+    step.remove()
