@@ -15,8 +15,10 @@ reduce-scatters add into the same ``.grad`` memory at every replay.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -120,6 +122,10 @@ class StepGraph:
                                f"({type(err).__name__}: {message}); model.cuda_graphs: false "
                                "trains without it") from err
         self.graph, self.freed = graph, False
+        # The last resort for a run that never reaches a teardown (another sharded strategy's
+        # exception path): at exit, before Lightning's process-group destroy, registered earlier
+        # (atexit runs last-registered first).
+        atexit.register(_free_at_exit, weakref.ref(self))
         self.grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         rank_zero_only(log.info)("CUDA graphs: the step's forward and backward captured for "
                                  "micro-batch %s (%s)", "x".join(map(str, x.shape)),
@@ -148,3 +154,9 @@ class StepGraph:
         """:meth:`release`, and stop watching the model's forward."""
         self.release()
         self._hook.remove()
+
+
+def _free_at_exit(ref: "weakref.ref[StepGraph]") -> None:
+    step = ref()
+    if step is not None:
+        step.free()

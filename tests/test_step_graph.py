@@ -123,8 +123,9 @@ def test_the_captured_gradients_stay_the_parameters_gradients_through_a_validati
 
 
 def test_a_freed_step_graph_is_reset_and_still_says_what_it_replayed():
-    """At the end of a fit the graph is reset (its NCCL work must not outlive the process
-    group); ``replaying`` still names the key, until the graph is released or captured anew."""
+    """At the end of a fit, or at exit for a run that never reached a teardown, the graph is
+    reset (its NCCL work must not outlive the process group); ``replaying`` still names the
+    key, until the graph is released or captured anew."""
     from fp8_lightning.step_graph import StepGraph
 
     class Graph:  # stands in for torch.cuda.CUDAGraph, which needs a GPU
@@ -141,4 +142,17 @@ def test_a_freed_step_graph_is_reset_and_still_says_what_it_replayed():
     step.free()  # a second teardown: nothing left to free
     step.release()
     assert step.replaying is None
+    # what a capture registers with atexit: the same, for a run that never reached a teardown
+    import weakref
+
+    from fp8_lightning.step_graph import _free_at_exit
+
+    step.key, step.graph = ((8, 1024), 1, True), Graph()
+    graph = step.graph
+    _free_at_exit(weakref.ref(step))
+    assert graph.was_reset and step.graph is None
     step.remove()
+    ref = weakref.ref(step)
+    del step
+    assert ref() is None
+    _free_at_exit(ref)  # a graph object long gone: nothing to do
