@@ -425,19 +425,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         return out
 
     @override
-    def teardown(self) -> None:
-        # The step's CUDA graph goes before Lightning destroys the process group at exit: a graph
-        # holding NCCL collectives that outlives its communicator hangs the exit
-        # (pytorch/torchtitan#2050). Here, not only in the module's teardown hook, which a run
-        # that raised (a SIGTERM stop, a NaN error) never reaches.
-        free = getattr(self.lightning_module, "free_step_graph", None)
-        try:
-            if callable(free):
-                free()
-        finally:
-            super().teardown()
-
-    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None
                         ) -> dict[str, Any]:
         # No code runs from a checkpoint: its meta.pt and .metadata are checked by the allow-listing

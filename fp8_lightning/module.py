@@ -669,12 +669,7 @@ class GPTLightningModule(L.LightningModule):
     def teardown(self, stage: str) -> None:
         if self._trainer is not None:
             AgreedStop.uninstall(self._trainer)
-        self.free_step_graph()
-
-    def free_step_graph(self) -> None:
-        """At the end of a fit (FSDP2Strategy's teardown, and this module's): the whole step's
-        CUDA graph freed before the process group goes; ``graphed`` still says what it replayed."""
-        if self._step_graph is not None:
+        if self._step_graph is not None:  # (``graphed`` still says what it replayed)
             self._step_graph.free()
 
     @override

@@ -52,6 +52,10 @@ class StepGraph:
         self.freed = False  # free() dropped a graph of ``key``
         self._stepping = False
         self._hook = model.register_forward_pre_hook(self._seen_forward)
+        # For a run that ends without the module's teardown (an exception, a SIGTERM stop): at
+        # exit, before Lightning's process-group destroy, which was registered earlier (at the
+        # process group's start; atexit runs the last registered first).
+        atexit.register(_free_at_exit, weakref.ref(self))
 
     def _seen_forward(self, *_: Any) -> None:
         if not self._stepping:
@@ -122,10 +126,6 @@ class StepGraph:
                                f"({type(err).__name__}: {message}); model.cuda_graphs: false "
                                "trains without it") from err
         self.graph, self.freed = graph, False
-        # The last resort for a run that never reaches a teardown (another sharded strategy's
-        # exception path): at exit, before Lightning's process-group destroy, registered earlier
-        # (atexit runs last-registered first).
-        atexit.register(_free_at_exit, weakref.ref(self))
         self.grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         rank_zero_only(log.info)("CUDA graphs: the step's forward and backward captured for "
                                  "micro-batch %s (%s)", "x".join(map(str, x.shape)),
@@ -137,8 +137,8 @@ class StepGraph:
         self.freed = False
 
     def free(self) -> None:
-        """At the end of a fit: free the graph and its pool before the process group goes
-        (Lightning destroys it at exit). A graph holding NCCL collectives outliving its
+        """At the end of a fit, or at exit: free the graph and its pool before the process group
+        goes (Lightning destroys it at exit). A graph holding NCCL collectives outliving its
         communicator hangs the process's exit (pytorch/torchtitan#2050 frees its graphs so)."""
         graph, self.graph, self.loss = self.graph, None, None
         if graph is not None:

@@ -142,7 +142,7 @@ def test_a_freed_step_graph_is_reset_and_still_says_what_it_replayed():
     step.free()  # a second teardown: nothing left to free
     step.release()
     assert step.replaying is None
-    # what a capture registers with atexit: the same, for a run that never reached a teardown
+    # what a StepGraph registers with atexit: the same, for a run that never reached a teardown
     import weakref
 
     from fp8_lightning.step_graph import _free_at_exit
