@@ -246,3 +246,8 @@ class StrategySettings(Callback):
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(settings, f)
+
+
+# What fp8_lightning.progress.duration writes (45s, 3m05s, 2h07m): an estimate made from the first
+# few bytes of a run may be minutes or hours long.
+DURATION = r"(\d+h\d\dm|(\d+m)?\d+s)"

@@ -13,7 +13,7 @@ from fp8_lightning.checkpoint_files import list_checkpoints, load_checkpoint_fil
 from fp8_lightning.cli import main
 from tests._runs import ROOT, fit_error
 from tests._runs import run_cli
-from tests.helpers import FALLBACK, small_checkpoint
+from tests.helpers import DURATION, FALLBACK, small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,8 @@ def test_consolidate_prints_the_bytes_read_and_written_of_the_total_while_it_wor
     monkeypatch.setattr(progress, "EVERY_S", 0.005)  # a line every 5 ms: each phase takes longer
     main(["consolidate", str(src), str(tmp_path / "one.ckpt")])
     lines = capsys.readouterr().out.splitlines()
-    amount = rf"[\d.]+ [KMG]?B of {total} \(\d+%\), \d+s so far(, about \d+s left|, finishing)?"
+    amount = (rf"[\d.]+ [KMG]?B of {total} \(\d+%\), {DURATION} so far"
+              rf"(, about {DURATION} left|, finishing)?")
     reading = [line for line in lines if line.startswith(f"consolidate: reading {src}: ")]
     writing = [line for line in lines
                if line.startswith(f"consolidate: writing {tmp_path / 'one.ckpt'}: ")]

@@ -14,6 +14,7 @@ from fp8_lightning.data.prepare import prepare
 from fp8_lightning.tokenizer import get_tokenizer
 from tests._runs import cli_error
 from tests.data import TEXT_A
+from tests.helpers import DURATION
 
 TEXT_B = "Whether 'tis nobler in the mind to suffer\n" * 60
 
@@ -243,7 +244,7 @@ def test_prepare_prints_progress_lines_with_the_bytes_done_of_the_total(tmp_path
         mine = [line for line in lines if line.startswith(f"prepare: tokenizing {split}: ")]
         assert mine, lines
         assert all(re.fullmatch(rf"prepare: tokenizing {split}: [\d.]+ K?B of {total} \(\d+%\), "
-                                r"\d+s so far(, about \d+s left|, finishing)?", line)
+                                rf"{DURATION} so far(, about {DURATION} left|, finishing)?", line)
                    for line in mine), mine
         shares = [int(re.search(r"\((\d+)%\)", line)[1]) for line in mine]
         assert shares == sorted(shares) and shares[-1] == 100, mine  # done grows to the total
