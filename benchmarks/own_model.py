@@ -19,6 +19,7 @@ GPU compute and GPU idle (host-bound) milliseconds: what to optimise.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -42,7 +43,8 @@ MODELS = {
                                num_key_value_heads=8, max_position_embeddings=1024,
                                tie_word_embeddings=True, rope_theta=500000.0), 8),
 }
-# name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's other settings);
+# name -> (FP8Precision recipe or None for bf16-mixed, compiled, FP8Precision's and its Speedups
+# converter's other settings);
 # -head: the LM head in FP8 too (BF16 by the default policy), -all: every GEMM, torchao's size
 # filter off; TE's blocks replay as CUDA graphs by default, -nograph: not; on Hopper the plugin
 # tries cuDNN's attention first, -torch-order: PyTorch's own SDPA order; TE's GEMMs sum the
@@ -106,6 +108,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
     import lightning as L
     import torch
 
+    from fp8_lightning import Speedups
     from fp8_lightning.callbacks.profile import StepProfile
     from fp8_lightning.fp8 import FP8Precision
 
@@ -129,7 +132,11 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
     vocab = dims["vocab_size"]
     profiled = -(-PROFILED // accumulate)  # the profiler's trace grows with each micro-batch
     data = torch.randint(0, vocab, ((steps + profiled + 1) * accumulate * batch, SEQ + 1))
-    plugin = FP8Precision(recipe=recipe, on_unavailable="error", **settings) if recipe else None
+    plugin = None
+    if recipe:  # every FP8 variant with the Speedups converter, its options from the variant
+        speedups = {k: v for k, v in settings.items() if k in inspect.signature(Speedups).parameters}
+        plugin = FP8Precision(recipe=recipe, on_unavailable="error", converter=Speedups(**speedups),
+                              **{k: v for k, v in settings.items() if k not in speedups})
     # profiled after the timed steps: the profiler's own cost stays out of tok/s
     profile = StepProfile(start_step=steps, steps=profiled, top=80)
     trainer = L.Trainer(max_steps=steps + profiled + 1, accelerator="gpu", devices=1,

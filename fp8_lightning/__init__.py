@@ -19,7 +19,7 @@ _EXPORTS = {
     "FSDP2Strategy": "distributed",
     "FabricFP8Precision": "fabric", "FabricNaNGuard": "fabric",
     "FP8Precision": "fp8", "FP8Stats": "fp8.stats",
-    "GPT": "model", "GPTLightningModule": "module",
+    "GPT": "model", "GPTLightningModule": "module", "Speedups": "speedups",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -66,8 +66,8 @@ class FabricFP8Precision(FP8PrecisionBase):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, **kwargs)
-        if self.graphs is not None:  # Fabric's forwards do not say when a step starts
-            self.graphs.step_end()
+        if self.converter is not None:  # Fabric's forwards do not say when a step starts
+            self.converter.step_end()
         return out
 
     @override

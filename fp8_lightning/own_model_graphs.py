@@ -1,4 +1,4 @@
-"""CUDA graphs of the blocks of a model this package did not build (``FP8Precision``'s
+"""CUDA graphs of the blocks of a model this package did not build (``Speedups``'
 ``cuda_graphs`` for a user's ``LightningModule``): each block's calls are recorded during the first
 training steps, then each block is captured as its own graph (TE's ``make_graphed_callables``,
 through :func:`fp8_lightning.graphs.capture`, the capture the package's own GPT uses) and replayed

@@ -22,8 +22,7 @@ common=(--data.data_dir "$DATA" --data.batch_size 8 --data.num_workers 2
         --trainer.callbacks.init_args.every_n_train_steps 1000000)  # the configs' last callback,
         # Checkpoint: no periodic saves (1.5 GB each at 124M; a dozen runs would fill the disk)
 fp8() {  # fp8 RECIPE: the gpt2_fp8 config with only the recipe changed (its defaults otherwise)
-    echo --trainer.plugins.init_args.recipe "$1" --trainer.plugins.init_args.fp8_format null \
-         --trainer.plugins.init_args.amax_history_len null --trainer.plugins.init_args.amax_compute_algo null
+    echo --trainer.plugins.init_args.recipe "$1"
 }
 run() {  # run GPU NAME CONFIG ARGS...
     local gpu=$(($1 % NGPU)) name=$2 cfg=$3

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8_lightning import Speedups
 from fp8_lightning.fp8 import FP8Precision
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA and TE (tests/conftest.py)
@@ -66,13 +67,15 @@ def build(arch, tmp_path, use_cache=None):
     return LitLlama(str(directory), use_cache), 2 * 7  # q, k, v, o, gate, up, down a block
 
 
-def fit(module, steps, tmp_path, recipe, ckpt_path=None, cuda_graphs=None, callbacks=(),
-        accumulate_grad_batches=1, **plugin_args):
+def fit(module, steps, tmp_path, recipe, ckpt_path=None, callbacks=(), accumulate_grad_batches=1,
+        bf16_first_layers=0, **speedups):
+    """``speedups``: Speedups' options (the converter every run here has, its defaults unless
+    given)."""
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (B * 40, 1), generator=g)
     data = (starts + 7 * torch.arange(T + 1)) % VOCAB  # each token + 7: learnable
     plugin = FP8Precision(recipe=recipe, fp8_layers="all", on_unavailable="error",
-                          cuda_graphs=cuda_graphs, **plugin_args)
+                          bf16_first_layers=bf16_first_layers, converter=Speedups(**speedups))
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], accelerator="gpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
@@ -167,12 +170,12 @@ def test_a_users_blocks_replay_as_cuda_graphs_and_train_as_they_do_eagerly(arch,
         losses[graphs] = float(trainer.callback_metrics["train/loss"])
         assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) \
             == fp8_modules(arch)
-    assert plugin.graphs.compiled  # compile_blocks' default on one GPU
-    assert plugin.graphs.status == "ready"
-    blocks = plugin.graphs.blocks
-    assert plugin.graphs.replays == 29 * len(blocks)  # every step's blocks after the first
+    assert plugin.converter.graphs.compiled  # compile_blocks' default on one GPU
+    assert plugin.converter.graphs.status == "ready"
+    blocks = plugin.converter.graphs.blocks
+    assert plugin.converter.graphs.replays == 29 * len(blocks)  # every step's blocks after the first
     # released with the fit (the plugin's teardown): the blocks' own forward, no graph memory
-    assert all("forward" not in block.__dict__ for block in blocks) and not plugin.graphs.live
+    assert all("forward" not in block.__dict__ for block in blocks) and not plugin.converter.graphs.live
     assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
 
 
@@ -195,7 +198,7 @@ def test_two_forwards_before_one_backward_replay_once_and_train_as_without_graph
         module = LitTwice(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_embd=128)
         trainer, plugin = fit(module, 30, tmp_path, "delayed", cuda_graphs=graphs)
         losses[graphs] = float(trainer.callback_metrics["train/loss"])
-    assert plugin.graphs.status == "ready" and plugin.graphs.replays == 29 * 4
+    assert plugin.converter.graphs.status == "ready" and plugin.converter.graphs.replays == 29 * 4
     assert losses[True] < 5.0 and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
 
 
@@ -205,9 +208,9 @@ def test_a_block_the_policy_keeps_bf16_runs_eagerly_and_the_others_replay(tmp_pa
     module, _ = build("nanogpt", tmp_path)
     with caplog.at_level("INFO", logger="fp8_lightning.own_model_graphs"):
         trainer, plugin = fit(module, 30, tmp_path, "delayed", bf16_first_layers=1)
-    assert plugin.fp8_active and plugin.graphs.status == "ready"
+    assert plugin.fp8_active and plugin.converter.graphs.status == "ready"
     assert "3 of the model's 4 blocks captured" in caplog.text
-    assert plugin.graphs.replays == 29 * 3
+    assert plugin.converter.graphs.replays == 29 * 3
     assert float(trainer.callback_metrics["train/loss"]) < 5.0
 
 
@@ -215,8 +218,8 @@ def test_a_hugging_face_model_with_its_cache_on_trains_eagerly_and_says_why(tmp_
     module, _ = build("llama", tmp_path)  # use_cache: the config's (on), as a user leaves it
     trainer, plugin = fit(module, 3, tmp_path, "delayed")
     assert plugin.fp8_active and trainer.global_step == 3
-    assert plugin.graphs.status.startswith("off: block 0's call cannot be replayed")
-    assert "use_cache=False" in plugin.graphs.status
+    assert plugin.converter.graphs.status.startswith("off: block 0's call cannot be replayed")
+    assert "use_cache=False" in plugin.converter.graphs.status
 
 
 class StepKernels(L.Callback):
@@ -260,7 +263,7 @@ class GradIsMainGrad(L.Callback):
         self.fused = 0  # the plugin's fused weights (it lets them go at the fit's end)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        wgrad = trainer.precision_plugin.wgrad
+        wgrad = trainer.precision_plugin.converter.wgrad
         self.fused = len(wgrad.weights) if wgrad is not None else 0
         self.seen.append(wgrad is not None and all(
             w.grad is w.main_grad and w.grad.dtype == torch.float32 for w in wgrad.weights))
@@ -284,11 +287,11 @@ def test_fused_weight_gradients_train_as_te_s_own_with_and_without_graphs(tmp_pa
         if fused:  # a weight each linear: te.LayerNormMLP holds fc1's and fc2's
             assert check.seen and all(check.seen) and check.fused == n_linears
         if graphs:
-            assert plugin.graphs.status == "ready" and plugin.graphs.cache_weights
+            assert plugin.converter.graphs.status == "ready" and plugin.converter.graphs.cache_weights
             # each block's FP8 weights cast at a step's first micro-batch only (its weights
             # changed), the cast reused by the others: one replay in `accumulate` casts
-            replays, casts, n = plugin.graphs.replays, plugin.graphs.recasts, len(
-                plugin.graphs.blocks)
+            replays, casts, n = plugin.converter.graphs.replays, plugin.converter.graphs.recasts, len(
+                plugin.converter.graphs.blocks)
             assert abs(accumulate * casts - replays) <= accumulate * n, (replays, casts)
     eager = losses[False, False]
     assert eager < 5.0 and all(abs(v - eager) < 0.02 * eager for v in losses.values()), losses
@@ -308,8 +311,8 @@ def test_cached_fp8_weights_follow_a_fused_optimizer_across_accumulated_micro_ba
                               accumulate_grad_batches=2)
         losses[graphs] = float(trainer.callback_metrics["train/loss"])
         assert plugin.fp8_active, plugin.reason
-    assert plugin.graphs.status == "ready" and plugin.graphs.cache_weights
-    replays, casts, n = plugin.graphs.replays, plugin.graphs.recasts, len(plugin.graphs.blocks)
+    assert plugin.converter.graphs.status == "ready" and plugin.converter.graphs.cache_weights
+    replays, casts, n = plugin.converter.graphs.replays, plugin.converter.graphs.recasts, len(plugin.converter.graphs.blocks)
     assert abs(2 * casts - replays) <= 2 * n, (replays, casts)
     eager = losses[False]
     assert eager < 5.0 and abs(losses[True] - eager) < 0.02 * eager, losses
@@ -329,7 +332,7 @@ def test_fuse_mlp_runs_the_examples_mlps_as_te_layernorm_mlp_and_trains_as_witho
         trainer, plugin = fit(module, 30, tmp_path, "delayed", callbacks=[check],
                               fuse_mlp=fused)
         losses[fused] = float(trainer.callback_metrics["train/loss"])
-        assert plugin.fp8_active and plugin.graphs.status == "ready", plugin.reason
+        assert plugin.fp8_active and plugin.converter.graphs.status == "ready", plugin.reason
         assert check.seen and all(check.seen)
         keys[fused] = list(module.state_dict())
         assert keys[fused] == user_keys
@@ -364,7 +367,7 @@ def test_compile_blocks_captures_compiled_blocks_that_train_as_the_eager_ones(ar
         losses[compiled] = float(trainer.callback_metrics["train/loss"])
         assert plugin.fp8_active and len(plugin.engine.modules_ran(plugin.model)) \
             == fp8_modules(arch)
-        assert plugin.graphs.status == "ready" and plugin.graphs.compiled == compiled, caplog.text
+        assert plugin.converter.graphs.status == "ready" and plugin.converter.graphs.compiled == compiled, caplog.text
     assert "compiled capture failed" not in caplog.text
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # Dynamo compiled them
     eager = losses[False]

@@ -34,7 +34,7 @@ def batch():
 def set_up(seed, path=None):
     """A fresh Fabric run; with ``path``, loaded from it before ``fabric.setup`` (the plugin
     applies its FP8 state at set-up)."""
-    plugin = FabricFP8Precision(recipe="delayed", amax_history_len=16)
+    plugin = FabricFP8Precision(recipe={"name": "delayed", "amax_history_len": 16})
     fabric = L.Fabric(accelerator="cuda", devices=1, plugins=[plugin])
     torch.manual_seed(seed)
     model = GPT(GPTConfig.from_name("gpt2", **SMALL), backend="te")

@@ -30,6 +30,7 @@ from torch import nn
 from ..config import VOCAB_MULTIPLE, ConfigError, GPTConfig, check_micro_batch
 from ..fp8 import DEFAULT_RECIPE, RECIPES, Gemm, bf16_module_names, build_recipe_config, \
     engine_backend, get_engine
+from ..fp8.recipes import split_recipe
 from ..measure import environment, free_memory, measure, parse_variant
 from ..model import GPT
 from ..module import GPTLightningModule
@@ -322,10 +323,10 @@ def benefit_probe(run: RunConfig, result: Lint, recipes: list[str], *, reps: int
              f"{tokens} tokens, forward + backward (te.Linear, GPU kernel time, {reps} reps)")
     te = get_engine("te")
     te_recipes: dict[str, Any] = {"bf16": None}  # name -> recipe config (None: BF16)
+    name, fields = split_recipe(fp8.get("recipe"))
     for r in recipes:  # the config's own recipe fields for its recipe, defaults for the others
-        same = fp8.get("recipe", DEFAULT_RECIPE["te"]) == r
         te_recipes[r] = build_recipe_config(
-            r, **{k: v for k, v in fp8.items() if same and k in RECIPES[r].defaults})
+            r, **(fields if (name or DEFAULT_RECIPE["te"]) == r else {}))
     times: dict[str, list[Optional[float]]] = {name: [] for name in te_recipes}
     errors: dict[str, str] = {}
     for g in gemms:
@@ -459,7 +460,7 @@ def doctor(config: Optional[str] = None, probe: bool = True, model: Optional[str
     if run is not None and code == EXIT_OK:
         requested = None
         if run.fp8 is not None:  # FP8Precision's default recipe: its engine's
-            requested = run.fp8.get("recipe") or DEFAULT_RECIPE[
+            requested = split_recipe(run.fp8.get("recipe"))[0] or DEFAULT_RECIPE[
                 "torchao" if run.fp8.get("engine") == "torchao" else "te"]
         available = [r for r, (ok, _) in recipes.items() if ok]
         if requested is None:

@@ -12,6 +12,7 @@ import yaml
 from ..config import ConfigError, GPTConfig
 from ..fp8 import RECIPES, REMOVED_KEYS, FP8Precision
 from ..fp8.policy import POLICY_FIELDS
+from ..fp8.recipes import split_recipe
 from ..measure import Variant
 
 # --------------------------------------------------------------------------------- run config
@@ -106,8 +107,17 @@ def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precisi
     except TypeError as err:
         valid = list(inspect.signature(FP8Precision).parameters)
         unknown = [k for k in fp8 if k not in valid]
-        return None, [f"{where}: {k}: {REMOVED_KEYS.get(k, 'not an argument')}; valid: "
-                      f"{', '.join(valid)}" for k in unknown] or [f"{where}: {err}"]
+        return None, [f"{where}: {k}: {_not_an_argument(k)}; valid: {', '.join(valid)}"
+                      for k in unknown] or [f"{where}: {err}"]
+
+
+def _not_an_argument(key: str) -> str:
+    """Why ``key`` is no FP8Precision argument: removed from TE, or a recipe's own field."""
+    if key in REMOVED_KEYS:
+        return REMOVED_KEYS[key]
+    if any(key in r.defaults for r in RECIPES.values()):
+        return f"a field of the recipe: recipe: {{name: delayed, {key}: ...}}"
+    return "not an argument"
 
 
 def positive_int_problems(**values: Any) -> list[str]:
@@ -121,14 +131,16 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
     when the variant runs the config's recipe, and ``on_unavailable="error"``."""
     cfg = dict(run.fp8 or {})
     args: dict[str, Any] = {k: cfg[k] for k in POLICY_FIELDS if k in cfg}
-    if cfg.get("recipe", "delayed") == variant.recipe:
-        args.update({k: v for k, v in cfg.items() if k in RECIPES[variant.recipe].defaults})
+    name, fields = split_recipe(cfg.get("recipe"))
+    if (name or "delayed") != variant.recipe:
+        fields = {}
     if variant.bf16_ends:
         args.update(bf16_first_layers=1, bf16_last_layers=1)
     if variant.fp8_attention:
-        args.update(fp8_dpa=True)
+        fields.update(fp8_dpa=True)
     if variant.fp8_head:
         args.update(fp8_lm_head=True)
     if variant.fp8_layers:
         args.update(fp8_layers=variant.fp8_layers)
-    return dict(args, recipe=variant.recipe, weights="bf16-mixed", on_unavailable="error")
+    return dict(args, recipe={"name": variant.recipe, **fields}, weights="bf16-mixed",
+                on_unavailable="error")

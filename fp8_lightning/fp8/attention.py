@@ -24,8 +24,8 @@ CUDNN_SAFE = 91500
 def prefer_cudnn(setting: Optional[bool], device_type: str,
                  capability: Optional[tuple[int, int]], cudnn: Optional[int] = None
                  ) -> tuple[bool, str]:
-    """Whether the plugin's forwards put cuDNN's attention first (``cudnn_attention``: None is
-    on for Hopper, sm90, with a cuDNN newer than 9.15.0), and why."""
+    """Whether the plugin's forwards put cuDNN's attention first (``Speedups``'
+    ``cudnn_attention``: None is on for Hopper, sm90, with a cuDNN newer than 9.15.0), and why."""
     if setting is False:
         return False, "cudnn_attention=false"
     if device_type != "cuda":

@@ -1,5 +1,5 @@
 """A user's ``LayerNorm -> Linear -> GELU(tanh) -> Linear`` as one TE ``LayerNormMLP`` (TE engine,
-``FP8Precision(fuse_mlp=True)``): the norm writes fc1's FP8 input, and the GELU runs inside the
+``Speedups(fuse_mlp=True)``): the norm writes fc1's FP8 input, and the GELU runs inside the
 kernels that cast fc1's output for fc2 (forward) and fc2's input gradient (backward), instead of
 an eager GELU, its backward and a cast of their own, as in this package's own GPT.
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Generator, Literal, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Generator, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -23,11 +23,12 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..te_availability import fallback_precision
-from .attention import cudnn_first, cudnn_is_first, prefer_cudnn, settle_order
+from .converter import ModelConverter
 from .engine import Engine
 from .engine_registry import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
-from .recipes import DEFAULT_RECIPE, ENGINES, RECIPES, build_recipe_config, recipe_names
+from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, RecipeName, build_recipe_config,
+                      recipe_names, split_recipe)
 
 log = logging.getLogger(__name__)
 _warn = rank_zero_only(log.warning)  # one WARNING line, on rank zero only
@@ -61,24 +62,22 @@ class FP8PrecisionBase(FabricPrecision):
     hooks of its loop.
 
     Args:
-        recipe: TE (``engine: te``): ``delayed`` (fastest on Hopper), ``current``, ``block``
-            (per-block scales, more robust) or ``mxfp8`` (Blackwell); torchao (``engine:
-            torchao``): ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``. Default: the
-            engine's first (``delayed``, ``tensorwise``).
+        recipe: a name, or a mapping of its name (``name``) and its own fields, e.g.
+            ``{name: delayed, amax_history_len: 16}``. TE (``engine: te``): ``delayed``
+            (fastest on Hopper; fields ``fp8_format``, ``margin``, ``amax_history_len``,
+            ``amax_compute_algo``, ``reduce_amax``, ``fp8_dpa``), ``current`` (``fp8_format``,
+            ``fp8_dpa``), ``block`` (per-block scales, more robust; ``fp8_format``) or ``mxfp8``
+            (Blackwell; ``fp8_format``, ``margin``); torchao (``engine: torchao``):
+            ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``. ``fp8_dpa`` runs attention in
+            FP8 too (needs ``model.attention: te``; a beta feature of TE). Default: the engine's
+            first (``delayed``, ``tensorwise``) with its defaults (:mod:`.recipes`).
         engine: ``te`` (TransformerEngine modules, ``model.backend: te``), ``torchao``
             (PyTorch-native float8 in the PyTorch layers, ``model.backend: torch``, compiled) or
             ``auto`` (a few timed steps of each engine's recipes and of BF16 on this model and GPU
             pick the fastest, logged with the figures; needs ``GPTLightningModule`` and a GPU;
             ``model.backend: auto`` then follows the choice). Default: the recipe's engine, else
             ``te``.
-        fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3``.
-        margin: delayed/mxfp8: scale margin (powers of two).
-        amax_history_len: delayed: amax history window.
-        amax_compute_algo: delayed: ``max`` or ``most_recent``.
-        reduce_amax: delayed: reduce amax across the data-parallel group.
         weights: ``bf16-mixed`` (fp32 master weights, BF16 autocast) or ``bf16-true``.
-        fp8_dpa: attention in FP8 too (delayed, current; needs ``model.attention: te``; a beta
-            feature of TransformerEngine; default off).
         fp8_eval: run validation/test/predict in FP8 too (default BF16).
         fp8_lm_head: run the LM head in FP8 (default BF16).
         bf16_first_layers: the first N transformer blocks stay BF16.
@@ -90,125 +89,60 @@ class FP8PrecisionBase(FabricPrecision):
             own size filter for the recipe (torchtitan's ``auto_filter_small_kn``), per GEMM.
             Default: the recipe's measured faster one (``auto`` for ``tensorwise``, else ``all``).
         on_unavailable: ``fallback`` (BF16 with a warning) or ``error``.
-        cuda_graphs: TE engine, a model this package did not build (a user's module, a Hugging
-            Face model): replay each of its transformer blocks as a CUDA graph, captured at the
-            second training step from the first one's calls (:class:`~fp8_lightning.own_model_graphs.
-            ModelBlockGraphs`; a swapped ``te.Linear`` costs more host time than GPU time).
-            Default: on where it can run (a GPU, no FSDP2, blocks called with tensors and fixed
-            options); a block it cannot replay runs eagerly, said why. With ``delayed`` the
-            graphs cast a block's FP8 weights only after a ``torch.optim`` optimizer step or an
-            in-place write through a parameter (its version counter: a load), so the
-            micro-batches of an accumulated step after the first reuse the cast (TE's FP8
-            weight caching: fewer casts under gradient accumulation; measured:
-            docs/benchmarks.md, "Your own model under FP8Precision"). This package's GPT graphs
-            its blocks itself (``model.cuda_graphs``).
-        cudnn_attention: a model this package did not build: the plugin's forwards and
-            backwards try cuDNN's fused attention first for ``F.scaled_dot_product_attention``
-            (faster on Hopper than FlashAttention 2, which PyTorch may pick for an eager
-            model). Only an order: a call cuDNN cannot serve takes the next backend, and the
-            enabled backends stay as you set them; nothing changes where PyTorch's own order
-            already starts with cuDNN. Default: on for Hopper GPUs with a cuDNN newer than
-            9.15.0 (older ones had memory errors, pytorch/pytorch#169849). This package's GPT
-            picks its attention with ``model.attention``.
-        fuse_wgrad_accumulation: TE engine, a model this package did not build, no process
-            group (not DDP/FSDP2), ``weights: bf16-mixed``: each swapped layer's weight-gradient
-            GEMM accumulates in FP32 straight into a buffer that is the weight's ``.grad`` (no
-            BF16 gradient converted into FP32, no copy out of a block's CUDA graph;
-            :mod:`~fp8_lightning.fp8.wgrad`). Every such weight then gets a gradient each
-            backward, zero where a step skips its layer (so AdamW's decay and momentum move
-            it, where a ``None`` gradient would leave it: set ``false`` for a model that skips
-            layers, e.g. routed experts or LayerDrop); TE runs these layers eagerly under
-            ``torch.compile``. Default: on where it can run (measured faster than without:
-            docs/benchmarks.md, "Your own model under FP8Precision"), said in the log;
-            ``false`` keeps TE's BF16 weight gradients.
-        fuse_mlp: TE engine, a model this package did not build: each block's ``nn.LayerNorm ->
-            nn.Linear -> GELU (tanh) -> nn.Linear`` whose outputs feed only the next call becomes
-            one ``te.LayerNormMLP`` holding the same parameters (its GELU inside TE's cast
-            kernels, as in this package's GPT), the block running a ``torch.fx``-traced copy of
-            its forward with the four calls as one (:mod:`~fp8_lightning.fp8.mlp_fusion`).
-            Checkpoints keep the model's keys; a pickled model (``torch.save(model)``) does not
-            load, a state dict does. Default: on where a block has such a chain and the run has
-            one rank (measured faster than the four modules on one GPU: docs/benchmarks.md,
-            "Your own model under FP8Precision"), said in the log; not yet measured on several
-            ranks, where ``true`` turns it on; ``false`` keeps the four modules.
-        compile_blocks: with ``cuda_graphs``: each block's forward is captured
-            ``torch.compile``'d, the calls of its TE layers left to TE by Dynamo (TE's compiled path
-            needs a newer PyTorch than 2.11), so the elementwise work between them (norms,
-            RoPE, activations, residual adds and dtype conversions a user's model runs eagerly)
-            fuses; a compiled capture that fails falls back to the block's own forward, said in
-            the log. Default: on where the blocks are graphed, the run has one rank and TE is
-            2.20 or newer (older ones lack the capture's ``post_warmup_hook``) (a Hugging Face
-            Llama's eager blocks left TE FP8 slower than compiled BF16, its compiled ones
-            faster: docs/benchmarks.md, "Your own model under FP8Precision"); not yet measured
-            on several ranks, where ``true`` turns it on; ``false``: the blocks' own forward.
+        converter: what else the model gets at set-up (:class:`.converter.ModelConverter`):
+            :class:`fp8_lightning.Speedups` makes a model this package did not build fast (CUDA
+            graphs of its blocks, compiled blocks, fused MLPs, FP32 weight gradients, cuDNN
+            attention). This package's GPT has its own (``model.compile``, ``model.cuda_graphs``).
     """
 
-    def __init__(self, recipe: Optional[Literal["delayed", "current", "block", "mxfp8", "tensorwise",
-                                                "rowwise", "rowwise_with_gw_hp"]] = None,
+    def __init__(self, recipe: Union[RecipeName, dict[str, Any], None] = None,
                  engine: Optional[Literal["te", "torchao", "auto"]] = None,
-                 fp8_format: Optional[Literal["hybrid", "e4m3"]] = None,
-                 margin: Optional[int] = None, amax_history_len: Optional[int] = None,
-                 amax_compute_algo: Optional[Literal["max", "most_recent"]] = None,
-                 reduce_amax: Optional[bool] = None, fp8_dpa: Optional[bool] = None,
                  weights: Literal["bf16-mixed", "bf16-true"] = "bf16-mixed",
                  fp8_eval: bool = False, fp8_lm_head: bool = False, bf16_first_layers: int = 0,
                  bf16_last_layers: int = 0,
                  fp8_layers: Optional[Literal["all", "auto"]] = None,
                  on_unavailable: Literal["fallback", "error"] = "fallback",
-                 cuda_graphs: Optional[bool] = None,
-                 cudnn_attention: Optional[bool] = None,
-                 fuse_wgrad_accumulation: Optional[bool] = None,
-                 fuse_mlp: Optional[bool] = None,
-                 compile_blocks: Optional[bool] = None) -> None:
+                 converter: Optional[ModelConverter] = None) -> None:
         problems = []
+        name, fields = split_recipe(recipe)
+        if isinstance(recipe, Mapping) and name is None:
+            problems.append(f"recipe={recipe!r} has no name; valid: a mapping with name: one of "
+                            f"{', '.join(RECIPES)}, and that recipe's fields")
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
         if fp8_layers not in (None, "all", "auto"):
             problems.append(f"fp8_layers={fp8_layers!r}; valid: all, auto")
         if on_unavailable not in ("fallback", "error"):
             problems.append(f"on_unavailable={on_unavailable!r}; valid: fallback, error")
-        if cuda_graphs not in (None, True, False):
-            problems.append(f"cuda_graphs={cuda_graphs!r}; valid: true, false (or unset)")
-        if cudnn_attention not in (None, True, False):
-            problems.append(f"cudnn_attention={cudnn_attention!r}; valid: true, false (or unset)")
-        for key, value in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
-                           ("fuse_mlp", fuse_mlp), ("compile_blocks", compile_blocks)):
-            if value not in (None, True, False):
-                problems.append(f"{key}={value!r}; valid: true, false (or unset)")
+        if converter is not None and not isinstance(converter, ModelConverter):
+            problems.append(f"converter={converter!r}; valid: a ModelConverter, e.g. "
+                            "fp8_lightning.Speedups()")
         for key, value in (("bf16_first_layers", bf16_first_layers),
                            ("bf16_last_layers", bf16_last_layers)):
             if not isinstance(value, int) or value < 0:
                 problems.append(f"{key}={value!r} must be an integer >= 0")
         if engine is not None and engine not in (*ENGINES, "auto"):
             problems.append(f"engine={engine!r}; valid: {', '.join(ENGINES)}, auto")
-        elif engine == "auto" and recipe is not None:
-            problems.append(f"recipe={recipe!r} with engine='auto', which chooses the recipe "
+        elif engine == "auto" and name is not None:
+            problems.append(f"recipe={name!r} with engine='auto', which chooses the recipe "
                             "too; leave recipe unset, or name its engine")
-        elif recipe in RECIPES and engine not in (None, RECIPES[recipe].engine):
-            problems.append(f"recipe={recipe!r} runs on engine {RECIPES[recipe].engine!r}; valid "
+        elif name in RECIPES and engine not in (None, RECIPES[name].engine):
+            problems.append(f"recipe={name!r} runs on engine {RECIPES[name].engine!r}; valid "
                             f"recipes for engine={engine!r}: {', '.join(recipe_names(engine))}")
         if problems:
             raise ConfigError(problems, "FP8Precision")
         self.auto = engine == "auto"  # until choose_engine() has measured
         self.auto_figures: Optional[str] = None
         self.auto_bf16: Optional[str] = None  # why BF16 won the measurement
-        if recipe is None:
-            recipe = DEFAULT_RECIPE["te" if engine in (None, "auto") else engine]
-        self.engine: Engine = get_engine(RECIPES[recipe].engine if recipe in RECIPES else "te")
-        self.recipe_config = build_recipe_config(
-            recipe, fp8_format=fp8_format, margin=margin, amax_history_len=amax_history_len,
-            amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax, fp8_dpa=fp8_dpa)
+        if name is None:
+            name = DEFAULT_RECIPE["te" if engine in (None, "auto") else engine]
+        self.engine: Engine = get_engine(RECIPES[name].engine if name in RECIPES else "te")
+        self.recipe_config = build_recipe_config(name, **fields)
         self.weights, self.precision = weights, weights
         self.fp8_eval, self.fp8_lm_head = fp8_eval, fp8_lm_head
         self.bf16_first_layers, self.bf16_last_layers = bf16_first_layers, bf16_last_layers
         self.on_unavailable = on_unavailable
-        self.cuda_graphs = cuda_graphs
-        self.cudnn_attention = cudnn_attention
-        self._cudnn_first = False  # decided in convert_module (a model this package did not build)
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.fuse_mlp, self.compile_blocks = fuse_mlp, compile_blocks
-        self.wgrad: Any = None  # FusedWgrad, where fuse_wgrad_accumulation can run
-        self.graphs: Any = None  # ModelBlockGraphs of a model this package did not build
+        self.converter = converter
         # A training step that opens the autocast around its own forward and runs its backward
         # (a whole-step CUDA graph must hold the autocast's exit: TE's amax reduction there)
         self.step_owns_autocast = False
@@ -341,7 +275,6 @@ class FP8PrecisionBase(FabricPrecision):
         # groups before it converts the module.
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._amax_group = _data_parallel_group()
-        self._plan_attention(gpt)
         if self.auto:  # not set up through GPTLightningModule: no probe, the recipe's engine
             self.auto, self.auto_figures = False, "not measured (no GPTLightningModule set-up)"
         ok, reason = self._fp8_can_run(gpt)
@@ -361,20 +294,25 @@ class FP8PrecisionBase(FabricPrecision):
         if self.precision == "bf16-true":
             module = module.to(torch.bfloat16)
         if not ok:
+            if self.converter is not None:
+                self.converter.convert(gpt, engine=self.engine.name, fp8=False,
+                                       weights=self.weights, swapped=[])
             self._apply_loaded_state()
             return module
         self._remove_hooks()  # set up again (fit, then validate): never stack hooks twice
         self.bf16_modules = self._plan_bf16(gpt)
         note = self.engine.speed_note(gpt, self.bf16_modules)  # before any layer is swapped
-        self._say_unused_options(gpt)
-        fuse_mlp = self.fuse_mlp
-        if fuse_mlp is None and _data_parallel_group() is not None:
-            fuse_mlp = False  # measured on one GPU; on several ranks only where asked for
-        self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules,
-                                          fuse_mlp=fuse_mlp)
+        options = ({} if self.converter is None else
+                   self.converter.engine_options(gpt, self.engine.name))
+        self._hooks = self.engine.convert(gpt, self.recipe_config, self.bf16_modules, **options)
         self._converted = True
-        self._plan_wgrad(gpt)
-        self._plan_graphs(gpt)
+        if self.converter is not None:
+            self.converter.convert(gpt, engine=self.engine.name, fp8=True, weights=self.weights,
+                                   swapped=list(getattr(self.engine, "swapped", [])))
+        elif note:
+            note += ("; FP8Precision(converter=fp8_lightning.Speedups()) replays its blocks as CUDA "
+                     "graphs of their compiled forward, fuses its MLPs and sums its weight "
+                     "gradients in FP32")
         self.fp8_active, self.reason = True, reason
         self._verify_pending = True
         self._record("enabled", f"{reason}; recipe {self.recipe_config}")
@@ -384,120 +322,6 @@ class FP8PrecisionBase(FabricPrecision):
             _warn(note)
         self._apply_loaded_state()
         return module
-
-    def _say_unused_options(self, gpt: nn.Module) -> None:
-        """``fuse_mlp`` / ``compile_blocks`` asked where they do nothing: said, not ignored."""
-        from ..model import GPT
-
-        asked = [name for name in ("fuse_mlp", "compile_blocks") if getattr(self, name) is True]
-        if asked and (self.engine.name != "te" or isinstance(gpt, GPT)):
-            rank_zero_only(log.info)(
-                "%s: off (%s)", ", ".join(asked),
-                "this package's GPT fuses its MLPs and graphs its blocks itself"
-                if isinstance(gpt, GPT) else f"engine {self.engine.name}: they act on the TE "
-                "engine's layers; the torchao engine compiles the whole model")
-        elif self.compile_blocks is True and self.cuda_graphs is False:
-            rank_zero_only(log.info)("compile_blocks: off (it compiles the blocks' CUDA graph "
-                                     "captures, and cuda_graphs=false)")
-
-    def _plan_attention(self, gpt: nn.Module) -> None:
-        """cuDNN's attention first in the forwards of a model this package did not build."""
-        from ..model import GPT
-
-        if isinstance(gpt, GPT):
-            self._cudnn_first = False
-            return
-        capability = (torch.cuda.get_device_capability() if self._device_type == "cuda"
-                      else None)
-        cudnn, clash = None, ""
-        if self._device_type == "cuda" and torch.backends.cudnn.is_available():
-            try:
-                cudnn = torch.backends.cudnn.version()
-            except RuntimeError as err:  # a cuDNN other than PyTorch's was loaded first
-                clash = str(err).splitlines()[0]
-                rank_zero_only(log.warning)("cuDNN unusable, PyTorch's attention order kept: %s",
-                                            clash)
-        self._cudnn_first, why = prefer_cudnn(self.cudnn_attention, self._device_type,
-                                              capability, cudnn)
-        if clash:  # even where cudnn_attention=true asked for it
-            self._cudnn_first, why = False, "cuDNN unusable"
-        said = "cuDNN's attention first"
-        if self._cudnn_first:
-            settle_order(torch.device("cuda", torch.cuda.current_device()))
-            if cudnn_is_first():  # nothing to change: said, as it is what runs
-                self._cudnn_first, why = False, "PyTorch's own order"
-        elif self.cudnn_attention is not None or self._device_type == "cuda":
-            said = "PyTorch's order"
-        else:
-            return  # a CPU, nothing asked: nothing to say
-        rank_zero_only(log.info)("scaled_dot_product_attention: %s (%s)", said, why)
-
-    def _plan_wgrad(self, gpt: nn.Module) -> None:
-        """``fuse_wgrad_accumulation``: the swapped TE layers sum their weight gradients in FP32."""
-        from ..model import GPT
-        from .wgrad import FusedWgrad, fused_wgrad_blocker, weight_params
-
-        if self.wgrad is not None:
-            self.wgrad.remove()
-            self.wgrad = None
-        if self.fuse_wgrad_accumulation is False:
-            return
-        why = ("the torchao engine's layers stay nn.Linear" if self.engine.name != "te" else
-               "this package's GPT" if isinstance(gpt, GPT) else "")
-        if why and self.fuse_wgrad_accumulation is None:
-            return  # not asked for, and nothing of it applies here: nothing to say
-        modules = []
-        if not why:  # the layers the engine swapped in (not TE layers the user built)
-            here = set(gpt.modules())
-            weights = {m: weight_params(m) for m in getattr(self.engine, "swapped", [])
-                       if m in here}
-            modules = [m for m, ws in weights.items() if ws and all(
-                w.requires_grad and w.dtype == torch.float32 for w in ws)]
-            group = torch.distributed.is_available() and torch.distributed.is_initialized()
-            why = fused_wgrad_blocker(self.weights, group,
-                                      [w for m in modules for w in weights[m]]) or ""
-        if why:
-            rank_zero_only(log.info)("fuse_wgrad_accumulation: off (%s)", why)
-            return
-        self.wgrad = FusedWgrad(modules)
-        rank_zero_only(log.info)("fuse_wgrad_accumulation: %d TE layers sum their weight "
-                                 "gradient in FP32 main_grad, which is their .grad", len(modules))
-
-    def _plan_graphs(self, gpt: nn.Module) -> None:
-        """CUDA graphs of a converted model's blocks (``cuda_graphs``), where this package's GPT
-        does not graph them itself."""
-        from ..graphs import te_primes_after_warmup
-        from ..own_model_graphs import ModelBlockGraphs
-        from ..model import GPT
-
-        if self.graphs is not None:  # set up again: the same model's live graphs stay (they
-            # record again if its parameters moved meanwhile); after a teardown, new ones
-            if self.graphs.live and self.graphs.blocks[0] in set(gpt.modules()):
-                return
-            self.graphs.remove()
-            self.graphs = None
-        if self.cuda_graphs is False:
-            return
-        if self.engine.name != "te" or isinstance(gpt, GPT):
-            if self.cuda_graphs:
-                rank_zero_only(log.info)(
-                    "CUDA graphs of the model's blocks: off (%s)",
-                    "this package's GPT graphs its blocks itself: model.cuda_graphs"
-                    if isinstance(gpt, GPT) else
-                    f"the {self.engine.name} engine's modules are not captured; the TE engine's are")
-            return
-        name, n = find_blocks(gpt)
-        why = ("CUDA graphs need a GPU" if self._device_type != "cuda" else
-               "" if n else "no repeated blocks (an nn.ModuleList) found")
-        if why:
-            if self.cuda_graphs:
-                rank_zero_only(log.info)("CUDA graphs of the model's blocks: off (%s)", why)
-            return
-        compile = self.compile_blocks
-        if compile is None:  # measured on one GPU (on several ranks only where asked for), and
-            # a compiled capture needs TE 2.20's post_warmup_hook
-            compile = _data_parallel_group() is None and te_primes_after_warmup()
-        self.graphs = ModelBlockGraphs(gpt.get_submodule(name), compile=compile)
 
     def _auto_layers(self, gpt: nn.Module) -> dict[str, str]:
         """``fp8_layers: auto``: the GEMMs the engine finds would not gain from FP8 here."""
@@ -516,8 +340,8 @@ class FP8PrecisionBase(FabricPrecision):
             if self._converted:
                 stack.enter_context(self.engine.context(fp8 and self.fp8_active,
                                                         self._amax_group))
-            if self._cudnn_first:
-                stack.enter_context(cudnn_first())
+            if self.converter is not None:
+                stack.enter_context(self.converter.context())
             yield
 
     @contextmanager
@@ -527,11 +351,8 @@ class FP8PrecisionBase(FabricPrecision):
         with ExitStack() as stack:
             if not self.step_owns_autocast:
                 stack.enter_context(self._context(fp8=True))
-            if self.wgrad is not None:
-                self.wgrad.before_forward()  # before a capture: the graph writes main_grad
-            if self.graphs is not None:
-                self.graphs.before_step(step_start)
-                stack.enter_context(self.graphs.training_forward())
+            if self.converter is not None:
+                stack.enter_context(self.converter.training_forward(step_start))
             yield
         if self._verify_pending and self.fp8_active:
             self._verify_fp8_ran()
@@ -627,25 +448,21 @@ class FP8PrecisionBase(FabricPrecision):
 
     @override
     def teardown(self) -> None:
-        # the graphs' memory pools go with the run; the object stays, with its status and replays
-        if self.graphs is not None:
-            self.graphs.remove()
-        if self.wgrad is not None:
-            self.wgrad.remove()
-            self.wgrad = None
+        if self.converter is not None:
+            self.converter.teardown()
         super().teardown()
 
     @override
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        # the order of the forward for an activation checkpoint's recompute: another backend
-        # there would save other tensors than the forward did
-        with cudnn_first() if self._cudnn_first else nullcontext():
+        if self.converter is None:
+            return super().backward(tensor, model, *args, **kwargs)
+        with self.converter.context():
             super().backward(tensor, model, *args, **kwargs)
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        if self.wgrad is not None:
-            self.wgrad.before_backward()
+        if self.converter is not None:
+            self.converter.before_backward()
         return super().pre_backward(tensor, module)
 
     def _remove_hooks(self) -> None:

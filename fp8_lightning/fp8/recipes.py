@@ -5,7 +5,7 @@ engine, the engine's constructor for it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Mapping, get_args
 
 from ..config import ConfigError
 
@@ -49,6 +49,10 @@ RECIPES: dict[str, Recipe] = {
     "rowwise": Recipe("torchao", "rowwise", {}),
     "rowwise_with_gw_hp": Recipe("torchao", "rowwise_with_gw_hp", {}),
 }
+# The recipe names as a type: jsonargparse validates FP8Precision's recipe against it
+RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "rowwise",
+                     "rowwise_with_gw_hp"]
+assert set(get_args(RecipeName)) == set(RECIPES), "RecipeName lists every recipe"
 # An engine's recipe when none is given: its first, the fastest measured on Hopper.
 DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise"}
 ENGINES = tuple(DEFAULT_RECIPE)
@@ -62,6 +66,15 @@ REMOVED_KEYS = {
 def recipe_names(engine: str | None = None) -> list[str]:
     """The recipes of ``engine`` (all without one)."""
     return [name for name, r in RECIPES.items() if engine in (None, r.engine)]
+
+
+def split_recipe(recipe: Any) -> tuple[Any, dict[str, Any]]:
+    """``FP8Precision``'s ``recipe`` (a name, or a mapping of ``name`` and the recipe's fields)
+    as ``(name or None, fields)``."""
+    if isinstance(recipe, Mapping):
+        fields = dict(recipe)
+        return fields.pop("name", None), fields
+    return recipe, {}
 
 
 def build_recipe_config(recipe: str, **fields: Any) -> dict[str, Any]:
@@ -97,6 +110,8 @@ def build_recipe_config(recipe: str, **fields: Any) -> dict[str, Any]:
     if "amax_history_len" in config and not (isinstance(config["amax_history_len"], int)
                                              and config["amax_history_len"] >= 1):
         problems.append(f"amax_history_len={config['amax_history_len']!r} must be an integer >= 1")
+    problems += [f"{key}={config[key]!r}; valid: true, false" for key in ("reduce_amax", "fp8_dpa")
+                 if key in config and not isinstance(config[key], bool)]
     if "margin" in config and not (isinstance(config["margin"], int) and config["margin"] >= 0):
         problems.append(f"margin={config['margin']!r} must be an integer >= 0")
     if problems:

@@ -180,19 +180,15 @@ class TEEngine(Engine):
         if not any(type(m) is nn.Linear and not runs_bf16(name, bf16_modules)
                    for name, m in self.gemm_modules(model).items()):
             return None
-        return ("TE runs this model's nn.Linear layers as TE modules (te.Linear; with a LayerNorm "
-                "before one, or a LayerNorm -> Linear -> GELU -> Linear MLP, as one module): only "
+        return ("TE runs this model's nn.Linear layers as TE modules (te.Linear, or one "
+                "te.LayerNormLinear with the LayerNorm before it): only "
                 "the GEMMs and the fused ops run FP8, so FP8 gains less over the same model's "
-                "compiled BF16 than on this package's GPT, and may gain nothing. To get the most "
-                "of it, keep the plugin's defaults on one GPU (cuda_graphs, compile_blocks, "
-                "cudnn_attention, fuse_wgrad_accumulation, fuse_mlp: the blocks replayed as CUDA "
-                "graphs of their torch.compile'd forward, cuDNN attention, FP32 weight gradients) "
-                "and accumulate several micro-batches per optimizer step (the FP8 weights are "
-                "then cast once per optimizer step, and the optimizer's share of the step "
-                "shrinks). Where the blocks are not graphed their ops run eagerly between the TE "
-                "modules: try the torchao engine there (engine='torchao' compiles the whole "
-                "model), and compare both with the model's compiled BF16 before a long run; see "
-                "docs/benchmarks.md, 'Your own model under FP8Precision'")
+                "compiled BF16 than on this package's GPT, and may gain nothing. Accumulate "
+                "several micro-batches per optimizer step (the FP8 weights are then cast once per "
+                "optimizer step), try the torchao engine where the blocks are not graphed "
+                "(engine='torchao' compiles the whole model), and compare with the model's "
+                "compiled BF16 before a long run: docs/benchmarks.md, 'Your own model under "
+                "FP8Precision'")
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:

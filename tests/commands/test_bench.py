@@ -73,16 +73,18 @@ def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
 def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     config = tmp_path / "gpt2_fp8.yaml"  # the headline config with delayed's fields written out
     config.write_text((ROOT / "configs" / "gpt2_fp8.yaml").read_text().replace(
-        "recipe: delayed", "recipe: delayed\n        amax_history_len: 1024"))
+        "recipe: delayed", "recipe:\n          name: delayed\n          amax_history_len: 1024"))
     run = load_run_config(str(config))
     delayed = fp8_plugin_args(run, parse_variant("fp8-delayed-bf16ends"))
-    assert delayed["amax_history_len"] == 1024 and delayed["fp8_lm_head"] is False
+    assert delayed["recipe"] == {"name": "delayed", "amax_history_len": 1024}
+    assert delayed["fp8_lm_head"] is False
     assert delayed["bf16_first_layers"] == delayed["bf16_last_layers"] == 1
     block = fp8_plugin_args(run, parse_variant("fp8-block"))
-    assert "amax_history_len" not in block and "fp8_format" not in block  # block's own defaults
+    assert block["recipe"] == {"name": "block"}  # block's own defaults
     assert block["on_unavailable"] == "error" and block["weights"] == "bf16-mixed"
     fp8_attn = fp8_plugin_args(run, parse_variant("fp8-current-fp8-attn-fp8-head"))
-    assert fp8_attn["fp8_dpa"] is True and fp8_attn["fp8_lm_head"] is True
+    assert fp8_attn["recipe"] == {"name": "current", "fp8_dpa": True}
+    assert fp8_attn["fp8_lm_head"] is True
     assert FP8Precision(**fp8_attn).recipe_config["fp8_dpa"] is True
     assert "fp8_layers" not in block  # unset in the config: the recipe's default
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-autolayers"))["fp8_layers"] == "auto"

@@ -2,13 +2,10 @@
 an order over the backends the user left enabled (the kernels themselves run on the GPU:
 tests/test_gpu_any_model.py)."""
 
-import importlib
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.fp8.attention import cudnn_first, cudnn_is_first, prefer_cudnn
 
 
@@ -59,14 +56,3 @@ def test_an_order_that_starts_with_cudnn_is_left_alone():
             assert order() == inside
         assert order() == inside
     assert order() == before
-
-
-def test_the_plugin_keeps_pytorchs_order_without_a_gpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    own = importlib.import_module("examples.own_model")
-    plugin = FP8Precision(recipe="tensorwise", cudnn_attention=True)
-    plugin.convert_module(own.LitNanoGPT())
-    assert not plugin._cudnn_first
-    before = order()
-    with plugin.forward_context():
-        assert order() == before

@@ -1,5 +1,5 @@
 """A user's ``LayerNorm -> Linear -> GELU(tanh) -> Linear`` as one fused MLP module
-(``fp8_lightning/fp8/mlp_fusion.py``, ``FP8Precision(fuse_mlp=True)``): which chains fuse, and a
+(``fp8_lightning/fp8/mlp_fusion.py``, ``Speedups(fuse_mlp=True)``): which chains fuse, and a
 fused block computing what the user's block computes, with the user's checkpoint keys. TE's
 ``te.LayerNormMLP`` needs a GPU (tests/test_gpu_any_model.py); here the package's PyTorch twin of
 it, with TE's parameter names, stands in for it."""

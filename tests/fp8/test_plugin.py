@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fp8_lightning.config import ConfigError, GPTConfig
-from fp8_lightning.fp8 import FP8Precision, bf16_module_names, build_recipe_config, get_engine
+from fp8_lightning.fp8 import (FP8Precision, ModelConverter, bf16_module_names,
+                               build_recipe_config, get_engine)
 from fp8_lightning.model import GPT
 
 
@@ -40,12 +41,33 @@ def test_plugin_argument_errors():
         FP8Precision(weights="fp16")
     with pytest.raises(ConfigError, match="bf16_first_layers=-1"):
         FP8Precision(bf16_first_layers=-1)
-    with pytest.raises(ConfigError, match="cudnn_attention='on'; valid: true, false"):
-        FP8Precision(cudnn_attention="on")
-    with pytest.raises(ConfigError, match="fuse_mlp='yes'; valid: true, false"):
-        FP8Precision(fuse_mlp="yes")
+    with pytest.raises(ConfigError, match="recipe=.* has no name; valid: a mapping with name"):
+        FP8Precision(recipe={"amax_history_len": 16})
+    with pytest.raises(ConfigError, match="amax_history_len is not a field of recipe='block'"):
+        FP8Precision(recipe={"name": "block", "amax_history_len": 16})
+    with pytest.raises(ConfigError, match="converter='graphs'; valid: a ModelConverter"):
+        FP8Precision(converter="graphs")
     with pytest.raises(TypeError):
         FP8Precision(interval=1)  # the old DelayedScaling keyword is not an argument
+    with pytest.raises(TypeError):
+        FP8Precision(amax_history_len=16)  # a field of the recipe: recipe={"name": ..., ...}
+
+
+def test_the_recipe_is_a_name_or_a_mapping_of_its_name_and_own_fields():
+    assert FP8Precision(recipe="current").recipe_config == build_recipe_config("current")
+    plugin = FP8Precision(recipe={"name": "delayed", "amax_history_len": 16, "margin": None})
+    assert plugin.recipe_config == build_recipe_config("delayed", amax_history_len=16)
+    assert FP8Precision(recipe={"name": "tensorwise"}).engine.name == "torchao"
+
+
+def test_the_plugin_takes_a_handful_of_options_each_typed():
+    """The FP8 core only: recipe, engine, weights, evaluation and layer policy, fallback, and one
+    converter for what else makes a model fast (fp8_lightning.Speedups)."""
+    import inspect
+
+    params = inspect.signature(FP8Precision).parameters
+    assert len(params) <= 10, list(params)
+    assert all(p.annotation is not inspect.Parameter.empty for p in params.values())
 
 
 def test_layer_policy_keeps_lm_head_and_edge_blocks_bf16():
@@ -183,22 +205,52 @@ def test_on_unavailable_error_is_one_cli_error_line(tmp_path, capsys, small_voca
     assert "Traceback" not in err
 
 
-def test_te_only_options_asked_for_a_torchao_run_are_said_to_be_off(caplog):
-    from torch import nn
+class _Recorder(ModelConverter):
+    """A converter that writes down the hooks the plugin calls, in order."""
 
-    plugin = FP8Precision(recipe="tensorwise", fuse_mlp=True, compile_blocks=True)
-    with caplog.at_level("INFO", logger="fp8_lightning.fp8.plugin"):
-        plugin._say_unused_options(nn.Linear(4, 4))
-    assert "fuse_mlp, compile_blocks: off (engine torchao" in caplog.text
+    def __init__(self):
+        self.calls = []
+
+    def engine_options(self, model, engine):
+        self.calls.append(("engine_options", engine))
+        return {}
+
+    def convert(self, model, *, engine, fp8, weights, swapped):
+        self.calls.append(("convert", fp8))
+
+    def context(self):
+        self.calls.append("context")
+        return super().context()
+
+    def training_forward(self, step_start):
+        self.calls.append(("training_forward", step_start))
+        return super().training_forward(step_start)
+
+    def before_backward(self):
+        self.calls.append("before_backward")
+
+    def teardown(self):
+        self.calls.append("teardown")
 
 
-def test_te_only_options_left_at_their_defaults_say_nothing_on_a_torchao_run(caplog):
-    """fuse_mlp / compile_blocks default on where they act (the TE engine's layers on one
-    rank); unset, a run where they cannot act logs nothing of them."""
-    from torch import nn
+def test_the_plugin_applies_its_converter_at_set_up_and_around_each_forward_and_backward(tmp_path):
+    """A CPU runs BF16 (the fallback): the converter is told so at set-up, then opens its
+    contexts around the training forward and backward and the validation forward, and is torn
+    down with the run."""
+    from fp8_lightning.module import GPTLightningModule
 
-    plugin = FP8Precision(recipe="tensorwise")
-    assert plugin.fuse_mlp is None and plugin.compile_blocks is None
-    with caplog.at_level("INFO", logger="fp8_lightning.fp8.plugin"):
-        plugin._say_unused_options(nn.Linear(4, 4))
-    assert "fuse_mlp" not in caplog.text and "compile_blocks" not in caplog.text
+    converter = _Recorder()
+    module = GPTLightningModule(config=GPTConfig.from_name("tiny", n_layer=1, vocab_size=1000),
+                                backend="torch", compile=False)
+    data = torch.utils.data.DataLoader(torch.randint(0, 1000, (8, 17)), batch_size=8)
+    trainer = L.Trainer(max_steps=1, limit_val_batches=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        plugins=[FP8Precision(recipe="tensorwise", converter=converter)])
+    trainer.fit(module, data, data)
+    calls = converter.calls
+    assert calls[0] == ("convert", False)  # no FP8 on a CPU: never asked for engine options
+    train = calls.index(("training_forward", True))
+    assert "context" in calls[train:] and "before_backward" in calls[train:]
+    assert calls.count("context") >= 3  # the training forward, its backward, a validation
+    assert calls[-1] == "teardown"

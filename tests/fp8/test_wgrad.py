@@ -11,8 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fp8_lightning.config import ConfigError
-from fp8_lightning.fp8 import FP8Precision
 from fp8_lightning.fp8.wgrad import FusedWgrad, fused_wgrad_blocker
 
 
@@ -116,8 +114,3 @@ def test_it_runs_without_a_process_group_with_fp32_master_weights(weights, group
                                                                   expected):
     why = fused_wgrad_blocker(weights, group, params)
     assert why == expected if expected is None else why.startswith(expected)
-
-
-def test_the_plugin_refuses_a_non_boolean_in_one_error():
-    with pytest.raises(ConfigError, match="fuse_wgrad_accumulation='yes'; valid: true, false"):
-        FP8Precision(fuse_wgrad_accumulation="yes")
