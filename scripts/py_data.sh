@@ -1,8 +1,8 @@
-# Sourced by convergence.sh and multi_gpu.sh: prepare ~100 MB of real Python source from the GPU
+# Sourced by convergence.sh: prepare ~100 MB of real Python source from the GPU
 # image's site-packages (16 files, sorted path order) as GPT-2 BPE litdata shards in $DATA, once.
-# pycode_prepare DIR SEQ_LEN WORKERS cuts the same text in other block sizes (multi_gpu.sh's 8B
-# jobs: 8192); it fails if DIR could not be prepared. With PY_DATA_DEFER set, sourcing only
-# defines it (multi_gpu.sh prepares in the jobs that train on it; its plain jobs start at once).
+# pycode_prepare DIR SEQ_LEN WORKERS cuts the same text in other block sizes (8192 for the Llama
+# runs); it fails if DIR could not be prepared. With PY_DATA_DEFER set, sourcing only defines it.
+# The benchmark harness (benchmarks/jobs.py, Builder.data) prepares its corpora the same way.
 DATA=${DATA:-/tmp/pycode-ds}
 pycode_prepare() {
     local dir=$1 seq_len=$2 workers=$3
