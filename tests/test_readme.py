@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from fp8_lightning.cli import EXTRA_COMMANDS
@@ -321,8 +322,13 @@ def test_migration_table_overrides_parse(override, capsys, at_root):
     assert code == 0, err[-3000:]
     for key, value in zip(args[::2], args[1::2]):
         field = key.lstrip("-").split(".")[-1]
-        # (jsonargparse prints an int given to an int-or-float field as a float: 20 -> 20.0)
-        assert re.search(rf"^\s*{re.escape(field)}: {re.escape(value)}(\.0)?$", out, re.M), (key, value)
+        # a mapping (the recipe with its fields) prints one line per field
+        mapping = yaml.safe_load(value) if value.startswith("{") else {field: value}
+        for field, value in mapping.items():
+            value = str(value).lower() if isinstance(value, bool) else str(value)
+            # (jsonargparse prints an int given to an int-or-float field as a float: 20 -> 20.0)
+            assert re.search(rf"^\s*{re.escape(field)}: {re.escape(value)}(\.0)?$", out, re.M), \
+                (key, field, value)
 
 
 # Every full config (ddp.yaml and fsdp.yaml are strategy overlays added to one of these).
