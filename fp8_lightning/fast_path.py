@@ -1,5 +1,6 @@
 """The training step's fast path: ``torch.compile`` and CUDA graphs, each decided once with why,
-in one typed result (:class:`FastPath`) that ``GPTLightningModule`` follows and logs.
+in one typed result (:class:`FastPath`) that ``GPTLightningModule`` follows and logs through
+:class:`~fp8_lightning.fast_path_runner.FastPathRunner`.
 
 Two moments, both before a run's first step: the compile decision when the model is built
 (``configure_model``: the layers exist, the strategy is known), the CUDA graphs when training

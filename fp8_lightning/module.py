@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import lightning as L
@@ -15,13 +13,13 @@ from typing_extensions import override
 
 from .checkpoint_files import CheckpointError, checkpoint_versions
 from .config import ConfigError, GPTConfig
-from .distributed import AgreedStop, full_tensor, is_sharded, reshards
-from .fast_path import GRAPHS_HOW, FastPath, plan_compile, plan_graphs
+from .distributed import AgreedStop, full_tensor, is_sharded
+from .fast_path import FastPath, plan_compile
+from .fast_path_runner import FastPathRunner
 from .fp8.plugin import fp8_plugin
-from .layers import runs_float8
-from .model import (ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks, compile_model,
-                    uncompile_model)
-from .step_graph import StepGraph
+from .memory_check import check_memory, is_gpu_fit, run_shape
+from .model import ACTIVATION_CHECKPOINTING, GPT, checkpointed_blocks
+from .resume import check_same_model, rng_state, set_rng_state
 from .te_availability import te_status
 
 if TYPE_CHECKING:
@@ -158,10 +156,8 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.model: Optional[GPT] = None
-        # What the training step compiles and replays, and why (fp8_lightning/fast_path.py):
-        # the compile part when the model is built, the CUDA graphs when training starts.
-        self.fast_path: Optional[FastPath] = None
-        self.compiled: Optional[str] = None  # what compile_model compiled (the log's words)
+        # The fast path (fp8_lightning/fast_path.py), its compiled model and captured graphs.
+        self._runner = FastPathRunner()
         self.tokens_seen = 0
         self.grad_norm: Optional[torch.Tensor] = None  # pre-clip total norm of the last step
         # Under FSDP2: would the run fit one GPU unsharded (the memory estimate; None: not
@@ -171,16 +167,30 @@ class GPTLightningModule(L.LightningModule):
         self.step_graph_fits = True
         self.val_loss = MeanMetric()
         self.val_step: Optional[int] = None  # global_step of the last validation (its weights)
-        self._compile_checked = False  # a training step has run compiled
-        self._graphs: Any = None  # BlockGraphs once captured
-        self._step_graph: Any = None  # StepGraph under FSDP2 (fast path "step")
-        self._backward_done = False  # the training step ran this micro-batch's backward
-        self._cudagraphed = False  # the PyTorch backend compiled with CUDA graphs
         # The parameters and whether the clip folds into the optimizer, looked up at a run's
         # first step rather than every step: ``self.parameters()`` walks every submodule, twice
         # a step.
         self._params: Optional[tuple[torch.nn.Parameter, ...]] = None
         self._fold: Optional[bool] = None
+
+    @property
+    def fast_path(self) -> Optional[FastPath]:
+        """What the training step compiles and replays, and why (:mod:`fp8_lightning.fast_path`):
+        the compile part when the model is built, the CUDA graphs when training starts."""
+        return self._runner.plan
+
+    @fast_path.setter
+    def fast_path(self, path: Optional[FastPath]) -> None:
+        self._runner.plan = path
+
+    @property
+    def compiled(self) -> Optional[str]:
+        """What ``compile_model`` compiled (the log's words), or None."""
+        return self._runner.compiled
+
+    @compiled.setter
+    def compiled(self, what: Optional[str]) -> None:
+        self._runner.compiled = what
 
     @override
     def configure_model(self) -> None:
@@ -209,72 +219,33 @@ class GPTLightningModule(L.LightningModule):
 
             init_weights(self.model, self.hparams.init_from)
             rank_zero_info(f"model: weights from {self.hparams.init_from}")
-        self._compile()
+        self._runner.apply_compile(self.model, hp.compile, self.backend_name)  # logged
 
     def memory_run(self, trainer: "L.Trainer", datamodule: Any) -> Optional["RunShape"]:
         """What besides the model decides this fit's memory per GPU (the micro-batch from the
         data module, sharding, FP8, residual, checkpointing, master dtype, compile,
         accumulation); None when the micro-batch is not known before the first batch."""
-        from .memory import RunShape
-
-        batch_size = getattr(datamodule, "batch_size", None)
-        if not batch_size:
-            return None
-        hp, c = self.hparams, self.config
-        plugin = fp8_plugin(trainer)
-        precision = plugin.precision if plugin is not None else str(trainer.precision)
-        return RunShape(batch_size=batch_size,
-                        seq_len=getattr(datamodule, "seq_len", None) or c.block_size,
-                        shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
-                        fp8=plugin is not None and self.backend_name == "te",
-                        fp32_residual=c.residual_in_fp32(self.backend_name),
-                        activation_checkpointing=hp.activation_checkpointing,
-                        activation_checkpointing_every=hp.activation_checkpointing_every,
-                        master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
-                        compiled_loss=self.fast_path is not None and self.fast_path.compile,
-                        accumulate_grad_batches=trainer.accumulate_grad_batches)
+        hp = self.hparams
+        return run_shape(trainer, datamodule, self.config, self.backend_name,
+                         activation_checkpointing=hp.activation_checkpointing,
+                         activation_checkpointing_every=hp.activation_checkpointing_every,
+                         compiled_loss=self.fast_path is not None and self.fast_path.compile)
 
     def _check_memory(self) -> None:
         """Before the model is built on a GPU of a fit: log the memory estimate per GPU, and
-        stop with the levers that would make it fit when it cannot (``model.memory_check``)."""
+        stop with the levers that would make it fit when it cannot (``model.memory_check``;
+        :mod:`fp8_lightning.memory_check`)."""
         self.fits_one_gpu, self.step_graph_fits = None, True  # this fit's answers, or none
         trainer = self._trainer
-        device = trainer.strategy.root_device if trainer is not None else None
-        if device is None or device.type != "cuda" or not trainer.training:
+        if not is_gpu_fit(trainer):
             return
         run = self.memory_run(trainer, getattr(trainer, "datamodule", None))
         if run is None:
             return
-        from .memory import GIB, estimate_memory, fit_problem
-
-        hp, c = self.hparams, self.config
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = torch.tensor(free + torch.cuda.memory_reserved(device), device=device,
-                              dtype=torch.float64)  # what this process holds is ours
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every rank takes the same decision, on the GPU with the least room: a rank that
-            # stopped alone would leave the others waiting in their first collective.
-            torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
-        budget = budget.item()
-        if run.shards > 1:  # FSDP2: would it fit unsharded (FSDP2Strategy keeps weights gathered)?
-            self.fits_one_gpu = estimate_memory(c, replace(run, shards=1)).total <= budget
-            setting = getattr(trainer.strategy, "reshard_after_forward", True)
-            run = replace(run, keep_gathered=not reshards(setting, self.fits_one_gpu))
-        if run.shards > 1 and self.backend_name == "te" and hp.cuda_graphs is not False:
-            # FSDP2's step graph, where plan_graphs would capture it (it decides when training
-            # starts, told this): the gradients kept, and the graph's pool beside the eager
-            # step after a validation. Where it does not fit, the run trains without it.
-            graph = estimate_memory(c, replace(run, gradients_kept=True))
-            self.step_graph_fits = graph.total + graph.activations <= budget
-        rank_zero_info(f"memory: estimated {estimate_memory(c, run).describe()} of "
-                       f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
-                       "(fp8_lightning/memory.py)")
-        problem = fit_problem(c, run, budget, trainer.world_size)
-        if problem and hp.memory_check:
-            raise ConfigError([f"{problem} (model.memory_check: false runs it anyway)"],
-                              "run for this GPU")
-        if problem:
-            rank_zero_warn(f"memory: {problem}; running anyway (model.memory_check: false)")
+        check = check_memory(trainer, self.config, run, backend=self.backend_name,
+                             step_graph=self.hparams.cuda_graphs is not False)
+        self.fits_one_gpu, self.step_graph_fits = check.fits_one_gpu, check.step_graph_fits
+        check.enforce(self.hparams.memory_check)
 
     def _follow_fp8_engine(self) -> None:
         """``model.backend: auto`` builds the layers the FP8 plugin's engine converts (TE's, or the
@@ -304,79 +275,16 @@ class GPTLightningModule(L.LightningModule):
                                f"{plugin.engine.name} engine")
                 self.attention = "sdpa"
 
-    def _compile(self) -> None:
-        """Apply the compile part of the fast path to the model just built, and log it."""
-        path = self.fast_path
-        if self.hparams.compile and not path.compile:
-            rank_zero_warn(path.compile_why)
-        if not path.compile:
-            rank_zero_info(f"compile: off ({path.compile_why})" if self.hparams.compile is None
-                           else "compile: off")
-            return
-        self.compiled = compile_model(self.model, regions=path.regions, per_block=path.per_block)
-        rank_zero_info(f"compile: {self.compiled} (torch.compile; the first steps compile)"
-                       + ("" if path.regions or self.backend_name != "te"
-                          else f"; {path.compile_why}"))
-
     def plan_graphs(self) -> FastPath:
         """Decide the CUDA graphs of this run's training step (after the FP8 plugin converted
         the model), compile the model for them (lazily: the first call compiles), log it; the
         training step captures them at its first call, which has the micro-batch's shape."""
-        trainer = self._trainer
-        wanted = self.hparams.cuda_graphs
-        previous = self.fast_path.graphs if self.fast_path is not None else None  # a last fit's
-        if self.fast_path is None:  # a module built without configure_model's plan
-            self.fast_path = FastPath(bool(self.compiled), "compiled by its caller"
-                                      if self.compiled else "not compiled")
-        path = plan_graphs(
-            self.fast_path, wanted, device_type=self.device.type, backend=self.backend_name,
-            world_size=trainer.world_size if trainer is not None else 1,
-            sharded=trainer is not None and is_sharded(trainer.strategy),
-            callbacks=trainer.callbacks if trainer is not None else [],
-            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else 1,
+        return self._runner.plan_graphs(
+            self.model, self._trainer, wanted=self.hparams.cuda_graphs,
+            compile_wanted=self.hparams.compile, backend=self.backend_name,
+            device_type=self.device.type,
             activation_checkpointing=self.hparams.activation_checkpointing,
-            runs_float8=self.model is not None and runs_float8(self.model),
             step_graph_fits=self.step_graph_fits)
-        if wanted and path.graphs is None:
-            rank_zero_warn(f"{path.graphs_why}; running without")
-        rank_zero_info("CUDA graphs: " + (f"on, {GRAPHS_HOW[path.graphs]}" if path.graphs else
-                                          "off" if wanted is False else f"off ({path.graphs_why})"))
-        self.fast_path = path
-        self._compile_checked = False  # each fit checks its first compiled step
-        plugin = fp8_plugin(trainer) if trainer is not None else None
-        if plugin is not None:
-            # a whole-step graph must hold the autocast's exit (TE's amax reduction): the step
-            # opens it around its own forward, not the plugin around the training step
-            plugin.step_owns_autocast = path.graphs == "step"
-        if self.model is None:
-            return path
-        torch_per_block = self.backend_name != "te" and path.graphs == "per-block"
-        if path.graphs == "inductor":
-            self.compiled, self._cudagraphed = compile_model(self.model, cuda_graphs=True), True
-        elif torch_per_block:
-            # the blocks compiled one by one, to be captured each (the whole model's graph
-            # would hold DDP's all-reduce hooks inside it)
-            uncompile_model(self.model)
-            self.compiled, self._cudagraphed = compile_model(self.model, per_block=True), False
-            rank_zero_info(f"compile: {self.compiled}, for a CUDA graph per block")
-        elif self._cudagraphed or (self.backend_name != "te" and previous == "per-block"):
-            # a last fit compiled for graphs this fit has not: the plan's own compile again
-            uncompile_model(self.model)
-            self.compiled, self._cudagraphed = None, False
-            self._compile()
-        return path
-
-    def _drop_graphs(self) -> None:
-        """A fit captures its own graphs: a previous fit's (a notebook's second ``fit``) read
-        the parameters where they were then (Lightning moves the module to the CPU at the end
-        of a fit) and were captured under that fit's plugin (recipe, amax group), accumulation
-        and strategy; they are freed (what the model is compiled for is plan_graphs')."""
-        graphs, self._graphs = self._graphs, None
-        if hasattr(graphs, "release"):  # captured (not None, not a failed capture)
-            graphs.release()
-        if self._step_graph is not None:
-            self._step_graph.remove()
-            self._step_graph = None
 
     @property
     def graphed(self) -> Optional[str]:
@@ -384,54 +292,15 @@ class GPTLightningModule(L.LightningModule):
         FSDP2's step graph being freed then), ``"FP8"`` or ``"BF16"``; None while no graph
         replays (not captured, off, or on the TE backend stepped aside for a BF16 fallback; the
         PyTorch backend's graphs replay either, each captured once)."""
-        if self._cudagraphed:
-            return "FP8" if runs_float8(self.model) else "BF16"
-        if self._step_graph is not None:
-            key = self._step_graph.replaying
-            return None if key is None else "FP8" if key[-1] else "BF16"
-        graphs = self._graphs
-        if graphs is None or not graphs.active:
-            return None
-        return "FP8" if graphs.key[-1] else "BF16"
+        return self._runner.graphed(self.model)
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Mean next-token cross-entropy of a batch of token blocks (B, T + 1), and the tokens
         it covers: the training step of ``fit`` and of ``bench``."""
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
-        # The plan (plan_graphs) is applied here, not decided: the blocks' graphs are captured
-        # at the first training call, which has the micro-batch shape.
-        graphs = self.fast_path.graphs if self.training and self.fast_path is not None else None
-        if graphs in ("blocks", "per-block"):
-            from .graphs import prepare_graphs
-
-            trainer = self._trainer
-            self._graphs = prepare_graphs(self._graphs, self.model, tuple(x.shape),
-                                          trainer.accumulate_grad_batches if trainer else 1,
-                                          per_block=graphs == "per-block")
-        loss = self._model_loss(x, y)
-        # A replay's outputs live in the CUDA graphs' memory pool, which the next replay
-        # overwrites: the loss that Lightning logs and keeps is a copy.
-        return (loss.clone() if self._cudagraphed else loss), y.numel()
-
-    def _model_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The model's loss; the first compiled training call steps back to eager, with its
-        reason, where the compilation fails."""
-        if not self.compiled or self._compile_checked:
-            return self.model(x, y)
-        try:
-            loss = self.model(x, y)
-        except Exception as err:  # noqa: BLE001 - a failed compilation falls back, said why
-            uncompile_model(self.model)
-            self.compiled = None
-            message = " ".join(str(err).split())[:300]
-            why = f"torch.compile failed ({type(err).__name__}: {message})"
-            self.fast_path = self.fast_path.without_compile(why) if self.fast_path else None
-            rank_zero_warn(f"compile: {why}; training eagerly")
-            loss = self.model(x, y)
-            self._cudagraphed = False
-        self._compile_checked = self.training
-        return loss
+        loss = self._runner.loss(self.model, x, y, training=self.training, trainer=self._trainer)
+        return loss, y.numel()
 
     def tokenizer_problem(self, used: Optional[str]) -> Optional[str]:
         """With ``model.init_from``: the data's tokenizer ``used`` must be the one the weights were
@@ -476,37 +345,22 @@ class GPTLightningModule(L.LightningModule):
         CUDA graph (:mod:`fp8_lightning.step_graph`), the forward in the precision plugin's
         autocast; :meth:`backward` then has nothing left to do. The loss, and the tokens."""
         trainer = self.trainer
-        precision = trainer.precision_plugin
-        accumulate = trainer.accumulate_grad_batches
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            with precision.forward_context():
-                loss = self._model_loss(x, y)
-            (loss / accumulate).backward()  # as Lightning scales an accumulated micro-batch
-            return loss.detach()
-
         batch = batch.long()
         x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs and next-token targets
-        if self._step_graph is None:
-            self._step_graph = StepGraph(self.model)
-        plugin = fp8_plugin(trainer)
-        # (the divisor is baked into a captured backward: another one is another graph)
-        key = (tuple(x.shape), accumulate, plugin is not None and plugin.fp8_active)
-        loss = self._step_graph(step, x, y, key)
-        self._backward_done = True
+        loss = self._runner.step_with_backward(self.model, x, y, trainer, training=self.training)
         return loss, y.numel()
 
     @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._backward_done:  # step_with_backward's: the graph held it
-            self._backward_done = False
+        if self._runner.backward_done:  # step_with_backward's: the graph held it
+            self._runner.backward_done = False
             return
         super().backward(loss, *args, **kwargs)
 
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         step_graph = self.fast_path is not None and self.fast_path.graphs == "step"
-        self._backward_done = False  # (a backward Lightning skipped leaves none pending)
+        self._runner.backward_done = False  # (a backward Lightning skipped leaves none pending)
         loss, tokens = self.step_with_backward(batch) if step_graph else self.loss(batch)
         self.tokens_seen += tokens * self.trainer.world_size
         # Logged on the steps Lightning writes to the loggers (every log_every_n_steps) and on
@@ -577,7 +431,7 @@ class GPTLightningModule(L.LightningModule):
         # step's gradients would sit beside that forward's activations (a large model under FSDP2
         # runs out of memory so). Dropped here, as a plain PyTorch loop (and bench's step) does;
         # zeroed in place under a whole-step graph, whose reduce-scatters add into them.
-        optimizer.zero_grad(set_to_none=self._step_graph is None)
+        optimizer.zero_grad(set_to_none=self._runner.step_graph is None)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
@@ -658,7 +512,7 @@ class GPTLightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         self._params, self._fold = None, None
         AgreedStop.install(self.trainer)  # several ranks: no host sync per step for SIGTERM
-        self._drop_graphs()
+        self._runner.drop_graphs()
         self.plan_graphs()  # the plugin has converted the model: the graphs can be decided
         rank_zero_info(f"precision: {self.precision_tag()}")
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -669,8 +523,8 @@ class GPTLightningModule(L.LightningModule):
     def teardown(self, stage: str) -> None:
         if self._trainer is not None:
             AgreedStop.uninstall(self._trainer)
-        if self._step_graph is not None:  # (``graphed`` still says what it replayed)
-            self._step_graph.free()
+        if self._runner.step_graph is not None:  # (``graphed`` still says what it replayed)
+            self._runner.step_graph.free()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -704,40 +558,3 @@ class GPTLightningModule(L.LightningModule):
         if meta.get("rng"):
             set_rng_state(meta["rng"])
 
-
-def check_same_model(saved: dict[str, Any], config: GPTConfig) -> None:
-    """One error listing every model field where this run differs from the checkpoint."""
-    current = config.to_dict()
-    unknown = [k for k in saved if k not in current]
-    if unknown:  # not "model.config.X=None but ...": this version has no such field
-        GPTConfig.from_dict(saved, "model config recorded in the checkpoint")
-    problems = [f"model.config.{k}={current.get(k)!r} but the checkpoint was trained with "
-                f"{k}={v!r}" for k, v in saved.items() if k != "name" and current.get(k) != v]
-    if problems:
-        raise ConfigError(problems + ["set these fields as in the checkpoint (the config saved "
-                                      "beside it: config.yaml) or start without --ckpt_path"],
-                          "model for this checkpoint")
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) generator states as tensors and plain types."""
-    import numpy as np
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    random.setstate(tuple(state["python"][:1]) + (tuple(state["python"][1]),)
-                    + tuple(state["python"][2:]))
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -74,7 +74,8 @@ def test_a_recorded_config_field_this_version_does_not_know_is_one_error(tmp_pat
         assert "valid fields: name, vocab_size, block_size" in message
     assert not (tmp_path / "run").exists()  # refused before anything started
     # Python API: a module rebuilt from the checkpoint's hyperparameters, a resume's model check
-    from fp8_lightning.module import GPTLightningModule, check_same_model
+    from fp8_lightning.module import GPTLightningModule
+    from fp8_lightning.resume import check_same_model
 
     config = torch.load(future, weights_only=True)["hyper_parameters"]["config"]
     with pytest.raises(ConfigError, match="moe_experts: not a field"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fp8_lightning import fast_path as fast_path_lib
+from fp8_lightning import fast_path_runner
 from fp8_lightning.config import GPTConfig
-from fp8_lightning import module as module_lib
 from fp8_lightning.fast_path import FastPath, plan_compile, plan_graphs
 from fp8_lightning.module import GPTLightningModule
 
@@ -136,7 +136,7 @@ def test_the_pytorch_backend_is_compiled_for_its_graphs_when_they_are_planned(mo
                                 backend="torch", compile=True)
     module.configure_model()
     assert module.compiled == "the whole model and its loss, one graph"
-    monkeypatch.setattr(module_lib, "plan_graphs",
+    monkeypatch.setattr(fast_path_runner, "plan_graphs",
                         lambda path, *a, **k: FastPath(True, "x", graphs=graphs, graphs_why="y"))
     module.plan_graphs()
     assert module.compiled == compiled and module.fast_path.graphs == graphs

@@ -118,7 +118,7 @@ def test_a_second_fit_of_the_same_module_captures_its_own_graphs(tmp_path, block
                             limit_val_batches=0, default_root_dir=tmp_path, callbacks=[seen])
         trainer.fit(module, loader)
         assert module.graphed == "FP8", recipe
-        recipes.append(type(module._graphs.recipe).__name__)
+        recipes.append(type(module._runner.block_graphs.recipe).__name__)
         losses.append([float(seen.losses[s]) for s in (1, 10)])
         if before:
             trained.append(all(not torch.equal(a, p.detach().cpu())

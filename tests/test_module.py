@@ -5,7 +5,7 @@ import lightning as L
 import pytest
 import torch
 
-from fp8_lightning import module as module_lib
+from fp8_lightning import fast_path_runner, module as module_lib
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.module import GPTLightningModule
 
@@ -60,7 +60,7 @@ def test_a_failing_compilation_falls_back_to_eager_with_the_reason(monkeypatch):
         model.compile(backend=broken_backend)
         return "the whole model (a backend that fails)"
 
-    monkeypatch.setattr(module_lib, "compile_model", compile_broken)
+    monkeypatch.setattr(fast_path_runner, "compile_model", compile_broken)
     with pytest.warns(UserWarning, match=r"torch.compile failed .*no C\+\+ compiler here.*training eagerly"):
         module, losses = fit(3, compile=True)
     assert module.compiled is None and len(losses) == 3 and all(map(torch.isfinite, map(torch.tensor, losses)))

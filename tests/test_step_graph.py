@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from fp8_lightning import module as module_lib
+from fp8_lightning import fast_path_runner
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.distributed import FSDP2Strategy
 from fp8_lightning.fp8 import FP8Precision
@@ -32,8 +32,8 @@ class Record(L.Callback):
 
 def fit(tmp_path, monkeypatch, step):
     if step:  # the plan a GPU would make for TE under FSDP2
-        plan = module_lib.plan_graphs
-        monkeypatch.setattr(module_lib, "plan_graphs", lambda *a, **k: replace(
+        plan = fast_path_runner.plan_graphs
+        monkeypatch.setattr(fast_path_runner, "plan_graphs", lambda *a, **k: replace(
             plan(*a, **k), graphs="step", graphs_why="TE under FSDP2"))
     L.seed_everything(0)
     module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=2, block_size=32,
