@@ -217,7 +217,7 @@ def test_options_a_job_does_not_take_leave_it_as_it_is():
     assert "--trainer.max_steps 20" in " ".join(runs["e8-fp8eval-false"].argv)
     assert "--trainer.max_steps 8" in " ".join(runs["t8-fp8-tensorwise-ac-mlp-1gpu"].argv)
     rows = [r for r in plan("table-gpt-1.3b-fsdp", "--gpus", "2").runs if r.gpus]
-    assert len(rows) == 3 and all(r.gpus == 2 and "fsdp" in " ".join(r.argv) for r in rows)
+    assert len(rows) == 4 and all(r.gpus == 2 and "fsdp" in " ".join(r.argv) for r in rows)
     for argv in (["nojob"], ["resume-8b", "--resume-at", "19"], ["table-gpt2", "--sets", "a"],
                  ["throughput-gpt2", "--strategies", "ddp-b0"]):
         with pytest.raises(variants.UsageError):
@@ -231,13 +231,14 @@ def test_the_two_gpu_table_runs_on_gpu_sets_at_once_each_pair_with_its_port():
     p = plan("table-gpt2", "--sets", "0", "1", "2", "3", "0,1", "2,3")
     waves = harness.waves(p.runs, p.sets)
     gpu_waves = [w for w in waves if w[0][0].gpus]
-    assert [[s for _, s, _ in w] for w in gpu_waves] == [["0", "1", "2", "3"]] + [["0,1", "2,3"]] * 4
+    assert [[s for _, s, _ in w] for w in gpu_waves] == \
+        [["0", "1", "2", "3"]] + [["0,1", "2,3"]] * 4 + [["0,1"]]
     assert {port for w in gpu_waves[1:] for _, _, port in w} == {29640, 29650}
     ran = [r.name for w in waves for r, _, _ in w]
     assert sorted(ran) == sorted(r.name for r in p.runs)
     # without --sets a table's one-GPU runs go two at a time; its two-GPU runs one after another
     p = plan("table-gpt-1.3b")
-    assert [len(w) for w in harness.waves(p.runs, p.sets) if w[0][0].gpus] == [2, 1] + [1] * 6
+    assert [len(w) for w in harness.waves(p.runs, p.sets) if w[0][0].gpus] == [2, 1] + [1] * 7
     # dependent runs go alone whatever the sets
     p = plan("resume-gpt2", "--sets", "0,1,2,3")
     assert all(len(w) == 1 for w in harness.waves(p.runs, p.sets))
