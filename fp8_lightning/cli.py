@@ -22,8 +22,9 @@ import typing
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
-from jsonargparse import Namespace
+from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -47,25 +48,37 @@ PROG = "python -m fp8_lightning"
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
 
+# jsonargparse reports a failed validation as text only: the ArgumentError that parsing raises
+# has no argument name (None), its causes are plain TypeError/ValueError, and no public API gives
+# the key, the value or the type that was expected. These patterns of its messages are the one
+# place that reads them; what is valid for a class's option comes from its signature.
+_KEY = re.compile(r'Parser key "([^"]+)"')  # outermost first: "trainer.plugins", then "recipe"
+_EXPECTED = re.compile(r"Expected an? (.+?)\. Got value: (.*)")  # a plain type's failure
+_GIVEN = re.compile(r"Given value: (.*)")  # a union's failure, innermost first
+_UNKNOWN = re.compile(r"Option '(\w+)' is not accepted")
+_CLASS_PATH = re.compile(r"class_path(?:': |=| )'([\w.]+)'")
+
+
 def short_parser_message(message: str) -> str:
     """jsonargparse's message cut to what the user needs: the key, the value and what is valid.
 
     Its union errors list every type the key could have had (80+ lines for ``trainer.plugins``);
     the useful part is the innermost ``Parser key "K": Expected <type>. Got value: V``.
     """
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    expected = re.findall(r"Expected an? (.+?)\. Got value: (.*)", message)
-    nested = re.findall(r"NestedArg\(key='([^']+)', val='([^']*)'\)", message)
+    keys = _KEY.findall(message)
+    expected = _EXPECTED.findall(message)
     if keys and expected:
         kind, value = expected[0]
         literal = re.fullmatch(r"typing\.Literal\[(.*)\]", kind)
         kind = ("one of " + literal.group(1).replace("'", "")) if literal else \
             re.sub(r"<class '(\w+)'>", r"\1", kind)
         return f"{keys[-1]}={value.strip()!r}: expected {kind}"
-    unknown = re.findall(r"Option '(\w+)' is not accepted", message)
-    classes = re.findall(r"class_path(?:': |=| )'([\w.]+)'", message)
+    unknown = _UNKNOWN.findall(message)
+    classes = _CLASS_PATH.findall(message)
+    given = _GIVEN.findall(message)
+    nested = len(keys) > 1 and given  # an option inside a class's init_args
     if keys and (nested or unknown):
-        key, value = nested[-1] if nested else (unknown[-1], None)
+        key, value = (keys[-1], given[0].strip()) if nested else (unknown[-1], None)
         cls = next((c for c in map(_import_class, classes) if c is not None and key in
                     inspect.signature(c).parameters), _import_class(classes[0]) if classes else None)
         params = inspect.signature(cls).parameters if cls else {}
@@ -109,20 +122,46 @@ def configured_checkpoint_dir(trainer: Namespace) -> Optional[str]:
     return None
 
 
+def usage_error(err: ArgumentError, prog: str) -> UsageError:
+    """A parser's error as one line (the field, the value, what is valid), not a usage dump."""
+    return UsageError(f"{short_parser_message(err.message)} (options: {prog} --help)")
+
+
+# The Trainer's batch limits: a number of batches (int) or a share of the data (float).
+BATCH_LIMITS = {"limit_train_batches": "training", "limit_val_batches": "validation",
+                "limit_test_batches": "test", "limit_predict_batches": "prediction"}
+
+
 class ArgumentParser(LightningArgumentParser):
     """LightningCLI's parser that refuses abbreviated options (``--trainer.max_step`` is not
-    ``--trainer.max_steps``) and reports an error as one line, not a usage dump."""
+    ``--trainer.max_steps``), raises ``ArgumentError`` on bad input instead of printing a usage
+    dump (jsonargparse's ``exit_on_error=False``; :func:`usage_error` makes it one line), and
+    keeps a whole number of batches an int (``trainer.limit_*_batches``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("exit_on_error", False)
         super().__init__(*args, **kwargs)
 
     @override
-    def error(self, message: str, ex: Optional[Exception] = None) -> None:
-        if not self.exit_on_error:  # jsonargparse probing a value: it catches this
-            return super().error(message, ex)
-        prog = self.prog.replace(" [options]", "")
-        raise UsageError(f"{short_parser_message(message)} (options: {prog} --help)")
+    def add_class_arguments(self, theclass: Any, nested_key: Optional[str] = None, *args: Any,
+                            **kwargs: Any) -> list[str]:
+        if not (nested_key and isinstance(theclass, type) and issubclass(theclass, Trainer)):
+            return super().add_class_arguments(theclass, nested_key, *args, **kwargs)
+        # jsonargparse tries a Union's types in order, and the Trainer's Optional[Union[int,
+        # float]] can come out float first: typing caches unions that differ only in order as
+        # one object (then `limit_val_batches: 10` reads as 10.0, a fraction). So the limits
+        # are skipped in the Trainer's signature and added here, int first, written flat (a
+        # nested Optional[Union[...]] would come back from that same cache).
+        kwargs["skip"] = {*(kwargs.get("skip") or ()), *BATCH_LIMITS}
+        added = super().add_class_arguments(theclass, nested_key, *args, **kwargs)
+        group = self.groups.get(nested_key, self)
+        for name, data in BATCH_LIMITS.items():
+            group.add_argument(f"--{nested_key}.{name}", type=Union[int, float, None],
+                               default=None, help=f"How much of the {data} data to run per device: "
+                               "a number of batches (int) or a fraction (float). Default: all.")
+            added.append(f"{nested_key}.{name}")
+        return added
 
 
 class FP8LightningCLI(LightningCLI):
@@ -134,14 +173,16 @@ class FP8LightningCLI(LightningCLI):
         # The data's sequence length is the model's block size: one number, set once.
         parser.link_arguments("model", "data.seq_len", compute_fn=lambda m: m.config.block_size,
                               apply_on="instantiate")
-        # jsonargparse tries a Union's types in order, and the Trainer's Optional[Union[int, float]]
-        # can come out float first: typing caches unions that differ only in order as one object
-        # (then `limit_val_batches: 10` reads as 10.0, a fraction). No public jsonargparse API
-        # retypes a class's argument: int first here, written flat, as the nested
-        # Optional[Union[...]] would come back from that same cache.
-        for action in parser._actions:
-            if re.fullmatch(r"trainer\.limit_\w+_batches", action.dest) and hasattr(action, "_typehint"):
-                action._typehint = Union[int, float, None]
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            argv = sys.argv[1:] if args is None else args
+            command = argv[0] if isinstance(argv, list) and argv else None
+            prog = f"{parser.prog} {command}" if command in self.subcommands() else parser.prog
+            raise usage_error(err, prog) from None
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI (>= 2.5) merges the checkpoint's hyperparameters over the config, silently
@@ -354,7 +395,11 @@ def _run_function(fn: Callable, argv: list[str]) -> Any:
     parser = FunctionParser(prog=f"{PROG} {fn.__name__}",
                             description=inspect.getdoc(fn).split("\n\n")[0])
     parser.add_function_arguments(fn, as_group=False)
-    return fn(**parser.parse_args(argv).as_dict())
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentError as err:
+        raise usage_error(err, parser.prog) from None
+    return fn(**args.as_dict())
 
 
 def prepare_command(argv: list[str]) -> None:
