@@ -158,7 +158,7 @@ def test_package_code_quotes_no_measured_figures():
     assert not cites_a_bare_issue('color="#1f77b4"  # matplotlib\'s first colour')
     exempt = {(Path("fp8_lightning/flops.py"), n) for n in peak_table_lines()}
     files = sorted({p.relative_to(ROOT) for pattern in CODE_FILES for p in ROOT.glob(pattern)})
-    assert Path("configs/ddp.yaml") in files and Path("scripts/multi_gpu.sh") in files
+    assert Path("configs/ddp.yaml") in files and Path("benchmarks/harness.py") in files
     found = []
     for path in files:
         lines = (ROOT / path).read_text().splitlines()
@@ -171,4 +171,22 @@ def test_package_code_quotes_no_measured_figures():
             if cites_a_bare_issue(line):
                 found.append(f"an issue number without owner/repo: {where}")
     assert not found, "figures' home is docs/benchmarks.md, an issue's is owner/repo#N:\n" + \
+        "\n".join(found)
+
+
+FIGURE_HOMES = ("benchmarks.md", "convergence.md")  # the results; the loss curves' figures
+
+
+def test_prose_docs_quote_no_speed_figures():
+    """The user guides and the architecture (docs/*.md but the two result pages) quote no speed
+    ratio (``1.15x``) and no throughput (``241k tok/s``): they say what a figure means and link
+    to its one home in docs/benchmarks.md."""
+    assert FIGURE.search("FP8 delayed is 1.46x the faster BF16")
+    assert FIGURE.search("252k tok/s per GPU") and FIGURE.search("at 487,679 tok/s")
+    assert not FIGURE.search("`tok/s` over all GPUs, 1 x 8192, 50257 -> 50304, 2.20 or newer")
+    docs = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in FIGURE_HOMES)
+    assert ROOT / "docs" / "fp8.md" in docs and ROOT / "docs" / "several-gpus.md" in docs
+    found = [f"docs/{p.name}:{i + 1}: {line.strip()}" for p in docs
+             for i, line in enumerate(p.read_text().splitlines()) if FIGURE.search(line)]
+    assert not found, "a figure's home is docs/benchmarks.md; link to it there:\n" + \
         "\n".join(found)

@@ -133,7 +133,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "tests/test_readme.py::test_fit_commands_run_a_step",
         "tests/test_gpu_monitor.py::test_gpt2_fp8_run_shows_fp8_sane_mfu_and_fp8_stats"),
     # Several GPUs: the same strategies on CPU processes (gloo) here; on two GPUs by
-    # scripts/multi_gpu.sh (docs/benchmarks.md).
+    # python -m benchmarks.harness (docs/benchmarks.md).
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml":
         ("tests/test_distributed.py::test_ddp_checkpoint_counts_every_rank_and_resumes_in_step", GPU),
     "python -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/ddp.yaml "
