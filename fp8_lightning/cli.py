@@ -38,7 +38,7 @@ from .commands.doctor import doctor
 from .config import ConfigError, UsageError
 from .data.prepare import prepare
 from .data.streaming import TokenShardDataModule
-from .fp8 import REMOVED_KEYS, FP8UnavailableError
+from .fp8 import FP8UnavailableError, moved_option
 from .logs import TRAIN_LOSS, VAL_LOSS
 from .module import GPTLightningModule
 
@@ -87,8 +87,8 @@ def short_parser_message(message: str) -> str:
             hint = f": expected one of {', '.join(literals)}" if literals else " is not valid"
             return f"{keys[0]}.init_args.{key}={value!r}{hint}"
         owner = f" of {cls.__name__}" if cls else ""
-        removed = REMOVED_KEYS.get(key)
-        return f"{keys[0]}: {key!r} is not an option{owner}" + (f" ({removed})" if removed else "")
+        moved = moved_option(key) if cls is not None and "recipe" in params else None
+        return f"{keys[0]}: {key!r} is not an option{owner}" + (f" ({moved})" if moved else "")
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return "; ".join(lines[:3])
 

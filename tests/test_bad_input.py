@@ -90,6 +90,11 @@ FP8_FIELDS = [
      "amax_history_len is not a field of recipe='block'"),
     ("recipe-without-name", fit(FP8 + "recipe", "{amax_history_len: 16}"),
      "has no name; valid: a mapping with name"),
+    ("recipe-field-as-option", fit(FP8 + "amax_history_len", "16"),
+     "'amax_history_len' is not an option of FP8Precision (a field of the recipe now: recipe: "
+     "{name: delayed, amax_history_len: ...})"),
+    ("speedups-option-on-the-plugin", fit(FP8 + "cuda_graphs", "false"),
+     "'cuda_graphs' is not an option of FP8Precision (an option of the converter now"),
     ("bf16-first-negative", fit(FP8 + "bf16_first_layers", "-1"), "bf16_first_layers=-1"),
     ("bf16-last-negative", fit(FP8 + "bf16_last_layers", "-2"), "bf16_last_layers=-2"),
     ("bf16-first-beyond-model", fit(FP8 + "bf16_first_layers", "5", "--trainer.max_steps", "1",

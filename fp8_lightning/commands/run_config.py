@@ -10,7 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from ..config import ConfigError, GPTConfig
-from ..fp8 import RECIPES, REMOVED_KEYS, FP8Precision
+from ..fp8 import FP8Precision, moved_option
 from ..fp8.policy import POLICY_FIELDS
 from ..fp8.recipes import split_recipe
 from ..measure import Variant
@@ -107,17 +107,11 @@ def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precisi
     except TypeError as err:
         valid = list(inspect.signature(FP8Precision).parameters)
         unknown = [k for k in fp8 if k not in valid]
-        return None, [f"{where}: {k}: {_not_an_argument(k)}; valid: {', '.join(valid)}"
-                      for k in unknown] or [f"{where}: {err}"]
+        return None, [f"{where}: {k}: {moved_option(k) or 'not an argument'}; valid: "
+                      f"{', '.join(valid)}" for k in unknown] or [f"{where}: {err}"]
 
 
-def _not_an_argument(key: str) -> str:
-    """Why ``key`` is no FP8Precision argument: removed from TE, or a recipe's own field."""
-    if key in REMOVED_KEYS:
-        return REMOVED_KEYS[key]
-    if any(key in r.defaults for r in RECIPES.values()):
-        return f"a field of the recipe: recipe: {{name: delayed, {key}: ...}}"
-    return "not an argument"
+
 
 
 def positive_int_problems(**values: Any) -> list[str]:

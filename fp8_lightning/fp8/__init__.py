@@ -23,7 +23,7 @@ from .converter import ModelConverter
 from .engine import Engine
 from .engine_registry import engine_backend, get_engine
 from .gemm_timing import Gemm
-from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin
+from .plugin import FP8Precision, FP8PrecisionBase, FP8UnavailableError, fp8_plugin, moved_option
 from .policy import bf16_module_names
 from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, REMOVED_KEYS, Recipe, RecipeName,
                       build_recipe_config, recipe_names)
@@ -31,4 +31,4 @@ from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, REMOVED_KEYS, Recipe, Re
 __all__ = ["DEFAULT_RECIPE", "ENGINES", "Engine", "FP8Precision", "FP8PrecisionBase",
            "FP8UnavailableError", "Gemm", "ModelConverter", "RECIPES", "REMOVED_KEYS", "Recipe",
            "RecipeName", "bf16_module_names", "build_recipe_config", "engine_backend",
-           "fp8_plugin", "get_engine", "recipe_names"]
+           "fp8_plugin", "get_engine", "moved_option", "recipe_names"]

@@ -27,8 +27,8 @@ from .converter import ModelConverter
 from .engine import Engine
 from .engine_registry import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
-from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, RecipeName, build_recipe_config,
-                      recipe_names, split_recipe)
+from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, REMOVED_KEYS, RecipeName,
+                      build_recipe_config, recipe_names, split_recipe)
 
 log = logging.getLogger(__name__)
 _warn = rank_zero_only(log.warning)  # one WARNING line, on rank zero only
@@ -42,6 +42,20 @@ def fp8_plugin(owner: Any) -> Optional["FP8PrecisionBase"]:
         plugin = getattr(holder, name, None)
         if isinstance(plugin, FP8PrecisionBase):
             return plugin
+    return None
+
+
+def moved_option(key: str) -> Optional[str]:
+    """Where a keyword FP8Precision does not take went (a config written for an older version),
+    or None."""
+    if key in REMOVED_KEYS:
+        return REMOVED_KEYS[key]
+    if any(key in r.defaults for r in RECIPES.values()):
+        return f"a field of the recipe now: recipe: {{name: delayed, {key}: ...}}"
+    if key in ("cuda_graphs", "compile_blocks", "fuse_mlp", "fuse_wgrad_accumulation",
+               "cudnn_attention"):
+        return ("an option of the converter now: converter: {class_path: "
+                f"fp8_lightning.Speedups, init_args: {{{key}: ...}}}}")
     return None
 
 
