@@ -148,7 +148,7 @@ def run_variant(model: str, variant: str, steps: int, warmup: int, accumulate: i
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, pin_memory=True))
     split = (profile.result or [{}])[0]
     rates = [10 * tokens / (b - a) for a, b in zip(times, times[1:])]
-    graphs = getattr(plugin, "graphs", None)
+    graphs = plugin.converter.graphs if plugin is not None else None
     return {"model": model, "variant": variant, "accumulate": accumulate,
             "tok_s": round(statistics.median(rates)),
             "graphs": "-" if graphs is None else

@@ -165,7 +165,10 @@ def llama_table(rows: list[dict[str, Any]]) -> list[str]:
     """The seed table: the speedup over the faster BF16 (package or plain script), the val loss
     against the package's BF16."""
     model = next((r["model"] for r in rows if r.get("model")), "llama")
-    bf16 = max((per_gpu(r) for r in rows if not r.get("fp8") and per_gpu(r)), default=None)
+    bf16 = {}  # GPU count -> the faster BF16 of that count
+    for r in rows:
+        if not r.get("fp8") and per_gpu(r):
+            bf16[r.get("gpus")] = max(bf16.get(r.get("gpus"), 0), per_gpu(r))
     ref = next((r["last_val"] for r in rows if not r.get("fp8") and r.get("tool") == "fit"
                 and r["last_val"] is not None), None)
     width = max([8] + [len(label(r)) for r in rows]) + 1
@@ -181,7 +184,7 @@ def llama_table(rows: list[dict[str, Any]]) -> list[str]:
             continue
         val = r["last_val"]
         gap = f"{100 * (val - ref) / ref:+.2f}%" if val is not None and ref else "-"
-        speed = f"{per_gpu(r) / bf16:.2f}x" if bf16 else "-"
+        speed = f"{per_gpu(r) / bf16[r.get('gpus')]:.2f}x" if bf16.get(r.get("gpus")) else "-"
         peak = "-" if r["peak"] is None else f"{r['peak']:.1f}"
         out.append(f"  {label(r):<{width}} {r['gpus']:>4} {r['ms'] / 1000:>7.3f} "
                    f"{per_gpu(r):>10,.0f} {speed:>8} {r['mfu']:>6} {peak:>9} "

@@ -35,6 +35,7 @@ from .checkpoint_files import CheckpointError, find_checkpoint, load_checkpoint_
 from .commands.bench import bench
 from .commands.checkpoints import checkpoints, consolidate
 from .commands.doctor import doctor
+from .commands.run_config import build_component
 from .config import ConfigError, UsageError
 from .data.prepare import prepare
 from .data.streaming import TokenShardDataModule
@@ -222,7 +223,8 @@ class FP8LightningCLI(LightningCLI):
                         continue
                     name = cls.__name__
                     try:
-                        cls(**(item.get("init_args") or Namespace()).as_dict())
+                        cls(**{k: build_component(v) for k, v in
+                               (item.get("init_args") or Namespace()).as_dict().items()})
                     except (ValueError, TypeError) as err:
                         if isinstance(err, ConfigError):
                             raise

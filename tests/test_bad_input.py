@@ -94,7 +94,8 @@ FP8_FIELDS = [
      "'amax_history_len' is not an option of FP8Precision (a field of the recipe now: recipe: "
      "{name: delayed, amax_history_len: ...})"),
     ("speedups-option-on-the-plugin", fit(FP8 + "cuda_graphs", "false"),
-     "'cuda_graphs' is not an option of FP8Precision (an option of the converter now"),
+     "'cuda_graphs' is not an option of FP8Precision (an option of the converter now, for a model "
+     "of your own"),
     ("bf16-first-negative", fit(FP8 + "bf16_first_layers", "-1"), "bf16_first_layers=-1"),
     ("bf16-last-negative", fit(FP8 + "bf16_last_layers", "-2"), "bf16_last_layers=-2"),
     ("bf16-first-beyond-model", fit(FP8 + "bf16_first_layers", "5", "--trainer.max_steps", "1",

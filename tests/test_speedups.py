@@ -68,3 +68,26 @@ def test_without_a_gpu_pytorchs_attention_order_stays(monkeypatch):
     before = order()
     with plugin.forward_context():
         assert order() == before
+
+
+def test_a_config_names_the_converter_by_class_path(tmp_path, capsys, monkeypatch):
+    """`converter: {class_path: fp8_lightning.Speedups, init_args: ...}` in a config: the doctor's
+    check builds it, and fit trains with it (this package's GPT keeps its own fast path)."""
+    from fp8_lightning.commands.run_config import check_fp8_plugin
+    from tests._runs import ROOT, run_main
+
+    monkeypatch.chdir(ROOT)
+    plugin, problems = check_fp8_plugin({"recipe": "delayed", "converter": {
+        "class_path": "fp8_lightning.Speedups", "init_args": {"cuda_graphs": False}}})
+    assert problems == [] and isinstance(plugin.converter, Speedups)
+    assert plugin.converter.cuda_graphs is False
+    _, problems = check_fp8_plugin({"converter": {"class_path": "fp8_lightning.Speedups",
+                                                  "init_args": {"fuse_mlp": "yes"}}})
+    assert problems and "fuse_mlp='yes'" in problems[0]
+    code, out, err = run_main(capsys, [
+        "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "1",
+        "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.plugins.init_args.converter", "fp8_lightning.Speedups",
+        "--trainer.plugins.init_args.converter.init_args.cuda_graphs", "false"])
+    assert code == 0, err[-2000:]
+    assert "done: step 1" in out + err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -94,6 +95,23 @@ def load_run_config(path: str, model: Optional[str] = None) -> RunConfig:
                      fp8=fp8)
 
 
+def build_component(value: Any) -> Any:
+    """A component's nested component as the object the CLI will build: ``{class_path,
+    init_args}`` (or, as a value alone, a dotted class path of this package, e.g. the plugin's
+    ``converter: fp8_lightning.Speedups``) constructed, its own init_args built the same way;
+    anything else as it is. A class that cannot be imported is left for jsonargparse to name."""
+    if isinstance(value, str) and value.startswith("fp8_lightning.") and value[-1:].isalpha():
+        value = {"class_path": value}
+    if not (isinstance(value, dict) and "class_path" in value):
+        return value
+    module, _, name = str(value["class_path"]).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return value
+    return cls(**{k: build_component(v) for k, v in (value.get("init_args") or {}).items()})
+
+
 def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precision], list[str]]:
     """Build the config's ``FP8Precision`` (pure Python, no GPU): the plugin, or every problem
     with the field it names."""
@@ -101,7 +119,7 @@ def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precisi
         return None, []
     where = "trainer.plugins FP8Precision"
     try:
-        return FP8Precision(**fp8), []
+        return FP8Precision(**{k: build_component(v) for k, v in fp8.items()}), []
     except ConfigError as err:
         return None, [f"{where}: {p}" for p in err.problems]
     except TypeError as err:
@@ -109,9 +127,6 @@ def check_fp8_plugin(fp8: Optional[dict[str, Any]]) -> tuple[Optional[FP8Precisi
         unknown = [k for k in fp8 if k not in valid]
         return None, [f"{where}: {k}: {moved_option(k) or 'not an argument'}; valid: "
                       f"{', '.join(valid)}" for k in unknown] or [f"{where}: {err}"]
-
-
-
 
 
 def positive_int_problems(**values: Any) -> list[str]:

@@ -54,8 +54,9 @@ def moved_option(key: str) -> Optional[str]:
         return f"a field of the recipe now: recipe: {{name: delayed, {key}: ...}}"
     if key in ("cuda_graphs", "compile_blocks", "fuse_mlp", "fuse_wgrad_accumulation",
                "cudnn_attention"):
-        return ("an option of the converter now: converter: {class_path: "
-                f"fp8_lightning.Speedups, init_args: {{{key}: ...}}}}")
+        return ("an option of the converter now, for a model of your own: converter: {class_path: "
+                f"fp8_lightning.Speedups, init_args: {{{key}: ...}}}}; this package's GPT has its "
+                "own: model.compile, model.cuda_graphs")
     return None
 
 
@@ -77,7 +78,8 @@ class FP8PrecisionBase(FabricPrecision):
 
     Args:
         recipe: a name, or a mapping of its name (``name``) and its own fields, e.g.
-            ``{name: delayed, amax_history_len: 16}``. TE (``engine: te``): ``delayed``
+            ``{name: delayed, amax_history_len: 16}`` (with ``engine: auto``, the fields alone:
+            the chosen recipe keeps those it has). TE (``engine: te``): ``delayed``
             (fastest on Hopper; fields ``fp8_format``, ``margin``, ``amax_history_len``,
             ``amax_compute_algo``, ``reduce_amax``, ``fp8_dpa``), ``current`` (``fp8_format``,
             ``fp8_dpa``), ``block`` (per-block scales, more robust; ``fp8_format``) or ``mxfp8``
@@ -119,9 +121,11 @@ class FP8PrecisionBase(FabricPrecision):
                  converter: Optional[ModelConverter] = None) -> None:
         problems = []
         name, fields = split_recipe(recipe)
-        if isinstance(recipe, Mapping) and name is None:
+        if isinstance(recipe, Mapping) and name is None and engine != "auto":
+            # (engine auto picks the recipe; the fields it has of these are kept)
             problems.append(f"recipe={recipe!r} has no name; valid: a mapping with name: one of "
-                            f"{', '.join(RECIPES)}, and that recipe's fields")
+                            f"{', '.join(RECIPES)}, and that recipe's fields (the fields alone "
+                            "with engine: auto)")
         if weights not in ("bf16-mixed", "bf16-true"):
             problems.append(f"weights={weights!r}; valid: bf16-mixed, bf16-true")
         if fp8_layers not in (None, "all", "auto"):

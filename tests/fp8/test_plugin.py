@@ -58,6 +58,12 @@ def test_the_recipe_is_a_name_or_a_mapping_of_its_name_and_own_fields():
     plugin = FP8Precision(recipe={"name": "delayed", "amax_history_len": 16, "margin": None})
     assert plugin.recipe_config == build_recipe_config("delayed", amax_history_len=16)
     assert FP8Precision(recipe={"name": "tensorwise"}).engine.name == "torchao"
+    auto = FP8Precision(engine="auto", recipe={"amax_history_len": 16})  # auto picks the recipe
+    auto.apply_auto_choice("current", "measured")
+    assert auto.recipe_config == build_recipe_config("current")  # current has no amax history
+    auto = FP8Precision(engine="auto", recipe={"amax_history_len": 16})
+    auto.apply_auto_choice("delayed", "measured")
+    assert auto.recipe_config == build_recipe_config("delayed", amax_history_len=16)
 
 
 def test_the_plugin_takes_a_handful_of_options_each_typed():
