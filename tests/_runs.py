@@ -1,8 +1,10 @@
 """The CLI runners of the tests (a process, this process, a run that must fail with one
 ``error:`` line); short quickstart fits through the CLI, run once per test run (for all xdist
 processes) and shared by the console, monitor, generate and bad-input tests (each CLI fit costs
-tens of seconds on a small CPU); and the small vocabulary that fits which are not about the tokenizer train on."""
+tens of seconds on a small CPU), likewise a prepare with two workers (the console and prepare
+tests); and the small vocabulary that fits which are not about the tokenizer train on."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -57,19 +59,24 @@ def run_cli(*args, timeout=600, launcher=()):
 def run_main(capsys, argv):
     """``python -m fp8_lightning ARGV`` in this process (no process to start): (exit status,
     stdout, stderr) of this call alone."""
+    capsys.readouterr()
+    code = _main_status(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _main_status(argv):
+    """The exit status of ``python -m fp8_lightning ARGV`` run in this process."""
     from unittest import mock
 
     from fp8_lightning.cli import main
 
-    capsys.readouterr()
     try:
         with mock.patch.object(sys, "argv", ["fp8_lightning"]):  # the args come from argv only
             main([str(a) for a in argv])
-        code = 0
+        return 0
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
 
 
 def cli_error(capsys, *argv):
@@ -192,6 +199,31 @@ def small_vocab_fit(tmp_path_factory):
     return short_fit(tmp_path_factory, "small_vocab", *small_vocab(tmp_path_factory))
 
 
+def two_worker_prepare(tmp_path_factory):
+    """(inputs directory, CompletedProcess) of ``python -m fp8_lightning prepare`` of
+    ``tests.data.PARTS``, a file each (``part0.txt`` ...), into ``ds`` beside them with two
+    spawned workers (seq_len 15, val_fraction 0.1). Run once per test run (:func:`shared_dir`;
+    each run costs the spawned workers' start-ups): the console test reads what it printed, the
+    prepare test compares its dataset with another run's."""
+    if "prepare" not in _RUNS:
+        def make(path):
+            from tests.data import PARTS
+
+            for i, text in enumerate(PARTS):
+                (path / f"part{i}.txt").write_text(text)
+            result = run_cli("prepare", "--inputs", str(path / "part*.txt"), "--output_dir",
+                             str(path / "ds"), "--seq_len", "15", "--val_fraction", "0.1",
+                             "--num_workers", "2")
+            assert result.returncode == 0, result.stderr[-3000:]
+            (path / "stdout.log").write_text(result.stdout)
+            (path / "stderr.log").write_text(result.stderr)
+
+        path = shared_dir(tmp_path_factory, "two-worker-prepare", make)
+        _RUNS["prepare"] = (path, subprocess.CompletedProcess(
+            ["prepare"], 0, (path / "stdout.log").read_text(), (path / "stderr.log").read_text()))
+    return _RUNS["prepare"]
+
+
 # Several CPU processes (tests/test_distributed.py, tests/test_fsdp2.py)
 BATCH = 2  # sequences per rank and step: small, the point is the processes, not the compute
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
@@ -207,7 +239,13 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
     the CLI on ``data`` (the ``small_vocab`` arguments); its output. Lightning starts the
     processes, or with ``torchrun`` torchrun does (``--trainer.num_nodes 1`` as in the README).
     Without ``config``, one process; with ``capsys`` this one (:func:`run_main`: no Python to
-    start, for the runs where the process is not what is tested)."""
+    start, for the runs where the process is not what is tested).
+
+    Each process reads its data itself, without loader workers (``--data.num_workers 0``): a
+    rank's workers (a forkserver that imports torch, their shutdown at the end) cost a two-process
+    fit on a 2-core CPU more than its steps, and these fits are about the ranks, not the loader's
+    processes (fits with workers: tests/callbacks/test_checkpoint.py's exact resume,
+    tests/test_signals.py)."""
     extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
              str(devices)] if config else []
     launcher = (*TORCHRUN, str(devices)) if torchrun else ()
@@ -217,7 +255,7 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
             "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
             "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
             "--trainer.callbacks.init_args.every_n_train_steps", "3",
-            "--data.batch_size", str(BATCH), *args]
+            "--data.batch_size", str(BATCH), "--data.num_workers", "0", *args]
     if capsys is not None:
         assert not config, "several processes run through the CLI's process"
         code, log = run_main_logged(capsys, argv)
@@ -231,6 +269,28 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
 def run_main_logged(capsys, argv):
     """:func:`run_main` from the repository's root, with the log lines the process would print
     on stderr: (exit status, stdout + stderr + log lines)."""
+    with _at_root_with_log_lines() as lines:
+        code, out, err = run_main(capsys, argv)
+    return code, "\n".join([out, err, *lines])
+
+
+def run_here(*argv):
+    """:func:`run_main_logged` without pytest's ``capsys`` (a module-scoped fixture's run):
+    ``python -m fp8_lightning ARGV`` in this process, for the runs whose process is not what is
+    tested (no Python, Lightning or data-loader forkserver to start: seconds each on a small
+    CPU). (exit status, stdout + stderr + log lines)."""
+    import io
+
+    printed = io.StringIO()
+    with _at_root_with_log_lines() as lines, contextlib.redirect_stdout(printed), \
+            contextlib.redirect_stderr(printed):
+        code = _main_status(argv)
+    return code, "\n".join([printed.getvalue(), *lines])
+
+
+@contextlib.contextmanager
+def _at_root_with_log_lines():
+    """In the repository's root, collecting the log lines a process would print on stderr."""
     import logging
 
     class Lines(logging.Handler):  # the log lines a process would print on stderr
@@ -248,12 +308,11 @@ def run_main_logged(capsys, argv):
         logger.addHandler(handler)
     os.chdir(ROOT)
     try:
-        code, out, err = run_main(capsys, argv)
+        yield lines
     finally:
         os.chdir(cwd)
         for logger in loggers:
             logger.removeHandler(handler)
-    return code, "\n".join([out, err, *lines])
 
 
 def rank_settings(root):

@@ -41,14 +41,22 @@ def small_vocab(tmp_path_factory):
     return small_vocab(tmp_path_factory)
 
 
-# The files with the longest runs (several-process fits, data preparation, resumes) first: with
-# `-n auto --dist loadfile` a file runs in one process, and a long file handed out last leaves
-# the other processes idle at the end.
-LONGEST_FIRST = ("test_distributed.py", "test_fsdp2.py", "data/test_prepare.py",
-                 "test_bad_input.py", "callbacks/test_checkpoint.py",
-                 "commands/test_checkpoints.py", "test_readme.py", "test_console.py",
-                 "test_signals.py", "test_cli.py", "data/test_streaming.py")
+# The files with the longest runs (several-process fits, data preparation, signals) first, by
+# their time on a 2-core CPU: with `-n auto --dist loadfile` a file runs in one process, and a long
+# file handed out last leaves the other processes idle at the end.
+LONGEST_FIRST = ("test_signals.py", "data/test_prepare.py", "test_bad_input.py",
+                 "test_distributed.py", "test_readme.py", "test_fabric.py", "test_fsdp2.py",
+                 "test_cli.py", "test_console.py", "test_scripts.py", "test_notebook.py",
+                 "callbacks/test_checkpoint.py", "commands/test_bench.py",
+                 "data/test_streaming.py", "commands/test_compare.py")
 TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    # xdist hands out the files in the order below only if it does not reorder them itself (by
+    # their number of tests, its default under --dist loadfile: a long file of 5 tests went last)
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,8 @@
 
 import re
 
-from tests._runs import run_cli, small_vocab, small_vocab_fit
+from tests._runs import run_main_logged, small_vocab, small_vocab_fit, two_worker_prepare
+from tests.data import PARTS
 from fp8_lightning.console import _without_unknown_flops
 
 # Lines that must never reach the console: adverts, litdata's worker chatter and progress bars,
@@ -59,24 +60,22 @@ def test_fit_ends_with_a_summary_and_the_next_commands(tmp_path_factory):
     assert out.rstrip().splitlines()[-1].startswith("continue: ")
 
 
-def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path):
+def test_prepare_prints_one_line_per_split_and_a_summary(tmp_path_factory):
     """`python -m fp8_lightning prepare` (the CLI, two spawned workers) writes both splits and
     prints a line per split and a summary, nothing else."""
-    for name in ("a", "b"):  # two files and two (spawned) workers: both write to the console
-        (tmp_path / f"{name}.txt").write_text(f"Corpus {name} for the console test.\n" * 300)
-    out_dir = tmp_path / "ds"
-    result = run_cli("prepare", "--inputs", str(tmp_path / "*.txt"), "--output_dir", str(out_dir),
-                     "--seq_len", "63", "--val_fraction", "0.1", "--num_workers", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
+    # six files and two (spawned) workers: both write to the console (the run is shared with
+    # tests/data/test_prepare.py's, which compares its dataset with another run's)
+    inputs, result = two_worker_prepare(tmp_path_factory)
+    out_dir = inputs / "ds"
     text = result.stdout + result.stderr
     assert_quiet(text)
     # (progress lines, every few seconds of a longer prepare, are tests/data/test_prepare.py's)
     lines = [line for line in text.splitlines() if line.strip()
              and not re.match(r"prepare: (tokenizing (train|val)|reading inputs): ", line)]
-    assert lines[:2] == [f"prepare: tokenizing 2 file(s) -> {out_dir / split}"
+    assert lines[:2] == [f"prepare: tokenizing {len(PARTS)} file(s) -> {out_dir / split}"
                          for split in ("train", "val")], lines
-    assert re.fullmatch(rf"prepare: 2 documents, [\d,]+ train \+ [\d,]+ val tokens, \d+ shards -> "
-                        rf"{re.escape(str(out_dir))}", lines[2]), lines
+    assert re.fullmatch(rf"prepare: {len(PARTS)} documents, [\d,]+ train \+ [\d,]+ val tokens, "
+                        rf"\d+ shards -> {re.escape(str(out_dir))}", lines[2]), lines
     assert len(lines) == 3, lines
     assert all((out_dir / split / "index.json").is_file() for split in ("train", "val"))
 
@@ -94,17 +93,19 @@ def test_model_summary_drops_flops_only_when_uncounted():
     assert _without_unknown_flops(counted) == counted
 
 
-def test_a_resumed_fit_says_how_many_steps_it_ran(tmp_path_factory, tmp_path):
+def test_a_resumed_fit_says_how_many_steps_it_ran(tmp_path_factory, tmp_path, capsys):
+    """(The resume runs in this process: its closing lines are under test, not its launch.)"""
     run_dir, _ = small_vocab_fit(tmp_path_factory)
     import shutil
 
     shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")  # the shared run untouched
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab(tmp_path_factory),
-                     "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0",
-                     "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last",
-                     "--model.lr_decay_steps", "10")
-    out = plain(result.stdout)
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, log = run_main_logged(capsys, [
+        "fit", "--config", "configs/quickstart.yaml", *small_vocab(tmp_path_factory),
+        "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last",
+        "--model.lr_decay_steps", "10"])
+    out = plain(log)
+    assert code == 0, out[-2000:]
     assert re.search(r"^done: step 12 \(2 in this run\), [\d,]+ tokens seen; ", out, re.M), \
         out[-1500:]
     assert "--trainer.max_steps 24 --model.lr_decay_steps 10" in out

@@ -2,8 +2,8 @@
 launch (the resume of the DDP run), one process emulating two ranks, and the NaN guard's
 cross-rank decision. FSDP2: tests/test_fsdp2.py.
 
-The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
-not the tokenizer."""
+The fits train on a small vocabulary (the ``small_vocab`` fixture) and without loader workers
+(``fit_ranks``): the point is the processes, not the tokenizer or the data loader's processes."""
 
 from pathlib import Path
 

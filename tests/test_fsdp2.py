@@ -3,8 +3,8 @@ picks, sharded checkpoints, their consolidation and conversion), where FSDP2Stra
 model, and per-block gradients against one process's (activation checkpointing, blocks grouped in
 one unit).
 
-The fits train on a small vocabulary (the ``small_vocab`` fixture): the point is the processes,
-not the tokenizer."""
+The fits train on a small vocabulary (the ``small_vocab`` fixture) and without loader workers
+(``fit_ranks``): the point is the processes, not the tokenizer or the data loader's processes."""
 
 from pathlib import Path
 from typing import Any

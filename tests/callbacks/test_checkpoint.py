@@ -25,7 +25,7 @@ import fp8_lightning.checkpoint_files as checkpoint_module
 from fp8_lightning.checkpoint_files import (AtomicCheckpointIO, CheckpointError, atomic_torch_save,
                                       remove_stale_temporaries)
 from fp8_lightning.config import GPTConfig
-from tests._runs import ROOT, fit_error, run_cli
+from tests._runs import ROOT, fit_error, run_cli, run_here, run_main_logged
 from tests.helpers import small_checkpoint
 
 
@@ -111,12 +111,13 @@ def batch_log(path):
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, small_vocab):
-    """12 steps straight; and the same run SIGKILLed at step 6 (after its checkpoint)."""
+    """12 steps straight (in this process: the reference run's process is not under test); and
+    the same run SIGKILLed at step 6 (after its checkpoint), a process of its own."""
     tmp = tmp_path_factory.mktemp("resume")
-    straight = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
-                       "--trainer.default_root_dir", str(tmp / "straight"),
-                       *batch_log(tmp / "straight.jsonl"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    code, log = run_here(*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                         "--trainer.default_root_dir", str(tmp / "straight"),
+                         *batch_log(tmp / "straight.jsonl"))
+    assert code == 0, log[-3000:]
     killed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
                      "--trainer.default_root_dir", str(tmp / "run"),
                      *batch_log(tmp / "first.jsonl"),
@@ -125,13 +126,16 @@ def killed_run(tmp_path_factory, small_vocab):
     return tmp
 
 
-def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run, small_vocab):
+def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_run, small_vocab,
+                                                                       capsys):
+    """The resumes run in this process: what they read and compute is under test, not their
+    launch."""
     tmp = killed_run
-    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "12",
-                      "--trainer.default_root_dir", str(tmp / "run"),
-                      *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "data: resumed at block 24 of epoch 1 (verified)" in resumed.stderr
+    code, log = run_main_logged(capsys, [*RESUME, *small_vocab, "--trainer.max_steps", "12",
+                                         "--trainer.default_root_dir", str(tmp / "run"),
+                                         *batch_log(tmp / "resumed.jsonl"), "--ckpt_path", "last"])
+    assert code == 0, log[-3000:]
+    assert "data: resumed at block 24 of epoch 1 (verified)" in log
     straight, first, after = (records(tmp / f) for f in ("straight.jsonl", "first.jsonl",
                                                           "resumed.jsonl"))
     assert [r["step"] for r in first] == list(range(6))
@@ -142,13 +146,15 @@ def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_ru
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
-def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run, small_vocab):
+def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run, small_vocab,
+                                                                        capsys):
     tmp = killed_run
-    resumed = run_cli(*RESUME, *small_vocab, "--trainer.max_steps", "9", "--data.batch_size", "8",
-                      "--trainer.default_root_dir", str(tmp / "run"),
-                      *batch_log(tmp / "bs8.jsonl"), "--ckpt_path",
-                      str(tmp / "run" / "checkpoints" / "step-0000006.ckpt"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, log = run_main_logged(capsys, [*RESUME, *small_vocab, "--trainer.max_steps", "9",
+                                         "--data.batch_size", "8",
+                                         "--trainer.default_root_dir", str(tmp / "run"),
+                                         *batch_log(tmp / "bs8.jsonl"), "--ckpt_path",
+                                         str(tmp / "run" / "checkpoints" / "step-0000006.ckpt")])
+    assert code == 0, log[-3000:]
     straight = [s for r in records(tmp / "straight.jsonl") for s in r["samples"]]
     after = [s for r in records(tmp / "bs8.jsonl") for s in r["samples"]]
     assert after == straight[24:48]  # samples 24.. of the stream: nothing replayed or skipped

@@ -11,21 +11,22 @@ import torch
 
 from fp8_lightning.checkpoint_files import list_checkpoints, load_checkpoint_file
 from fp8_lightning.cli import main
-from tests._runs import ROOT, fit_error
-from tests._runs import run_cli
+from tests._runs import ROOT, fit_error, run_here
 from tests.helpers import DURATION, FALLBACK, small_checkpoint
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, small_vocab):
+    """The checkpoints of a 10-step fit, run in this process (what it writes is under test, not
+    its launch)."""
     out = tmp_path_factory.mktemp("ckpt-run")
-    result = run_cli("fit", "--config", "configs/quickstart.yaml", *small_vocab,
-                     "--trainer.max_steps", "10",
-                     "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
-                     "--trainer.callbacks.init_args.every_n_train_steps", "4",
-                     "--trainer.callbacks.init_args.keep_last", "2",
-                     "--trainer.default_root_dir", str(out), "--data.batch_size", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, log = run_here("fit", "--config", "configs/quickstart.yaml", *small_vocab,
+                         "--trainer.max_steps", "10",
+                         "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
+                         "--trainer.callbacks.init_args.every_n_train_steps", "4",
+                         "--trainer.callbacks.init_args.keep_last", "2",
+                         "--trainer.default_root_dir", str(out), "--data.batch_size", "4")
+    assert code == 0, log[-3000:]
     return out / "checkpoints"
 
 

@@ -1,10 +1,7 @@
 """``doctor`` on CPU: reasons, exit codes, config lint, and the probe's arithmetic."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +11,23 @@ from fp8_lightning.commands.doctor import (EXIT_BAD_CONFIG, EXIT_FP8_UNUSABLE, E
                                            doctor, model_gemms, predict, suggest)
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.te_availability import fallback_precision
+from tests._runs import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_doctor(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "fp8_lightning", "doctor", *args], cwd=ROOT,
-                          env=env, text=True, capture_output=True, timeout=300)
+@pytest.fixture
+def run_doctor(capsys, monkeypatch):
+    """``python -m fp8_lightning doctor ARGS`` from the repository root, in this process (its exit
+    status and output are under test, not Python's start-up): (exit status, stdout, stderr)."""
+    monkeypatch.chdir(ROOT)
+    return lambda *args: run_main(capsys, ["doctor", *args])
 
 
-def test_cli_fp8_requested_on_cpu_exits_1_with_the_reason(tmp_path):
-    result = run_doctor("--config", "configs/quickstart.yaml", "--output", str(tmp_path / "d.json"))
-    assert result.returncode == EXIT_FP8_UNUSABLE, result.stderr[-2000:]
-    out = result.stdout
+def test_cli_fp8_requested_on_cpu_exits_1_with_the_reason(tmp_path, run_doctor):
+    code, out, err = run_doctor("--config", "configs/quickstart.yaml", "--output",
+                                str(tmp_path / "d.json"))
+    assert code == EXIT_FP8_UNUSABLE, err[-2000:]
     assert "FP8 delayed is requested but CANNOT run here" in out
     assert "TransformerEngine is not installed" in out or "no CUDA GPU" in out
     assert "FP8 needs an NVIDIA GPU with compute capability >= 8.9" in out
@@ -58,16 +58,15 @@ def test_no_config_reports_the_environment(capsys):
     assert "delayed" in out and "NOT available" in out and "give --config" in out
 
 
-def test_cli_bad_dims_and_plugin_fields_exit_2_naming_the_fields(tmp_path):
+def test_cli_bad_dims_and_plugin_fields_exit_2_naming_the_fields(tmp_path, run_doctor):
     text = (ROOT / "configs" / "quickstart.yaml").read_text()
     text = text.replace("name: tiny", "name: tiny\n    n_embd: 100")
     text = text.replace("recipe: delayed", "recipe: delayed\n        interval: 1")
     text = text.replace("batch_size: 8", "batch_size: 3")
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
-    result = run_doctor("--config", str(cfg))
-    assert result.returncode == EXIT_BAD_CONFIG, result.stderr[-2000:]
-    out = result.stdout
+    code, out, err = run_doctor("--config", str(cfg))
+    assert code == EXIT_BAD_CONFIG, err[-2000:]
     assert "ERROR model.config: n_embd=100 is not a multiple of 16" in out
     assert "nearest valid: 96" in out
     assert "ERROR trainer.plugins FP8Precision: interval: removed in TransformerEngine 2.x" in out
@@ -84,11 +83,11 @@ def test_lint_catches_micro_batch_and_fp8_lm_head(tmp_path, capsys):
     assert "WARNING fp8_lm_head=true" in out
 
 
-def test_missing_config_is_one_error_line():
-    result = run_doctor("--config", "configs/nope.yaml")
-    assert result.returncode == 2
-    assert "error: config file not found: configs/nope.yaml" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_missing_config_is_one_error_line(run_doctor):
+    code, _, err = run_doctor("--config", "configs/nope.yaml")
+    assert code == 2
+    assert "error: config file not found: configs/nope.yaml" in err
+    assert "Traceback" not in err
 
 
 def test_model_gemms_follow_the_layer_policy():

@@ -8,7 +8,7 @@ from fp8_lightning.commands.generate import generate
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.model import GPT
 from tests._runs import BYTES_VOCAB, byte_tokenizer, bytes_data, one_error_line, run_cli, \
-    small_vocab_fit
+    run_main, small_vocab_fit
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,14 @@ def test_generate_python_api(ckpt):
     assert generate(str(ckpt), prompt="", max_new_tokens=4, backend="torch")  # from end-of-text
 
 
-def test_generate_command(ckpt):
-    result = run_cli("generate", "--ckpt", str(ckpt), "--prompt", "ROMEO:", "--max_new_tokens",
-                     "12", "--temperature", "0", "--device", "cpu", "--backend", "torch")
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_generate_command(ckpt, capsys):
+    """(In this process: the command's output is under test, not Python's start-up.)"""
+    code, out, err = run_main(capsys, ["generate", "--ckpt", ckpt, "--prompt", "ROMEO:",
+                                       "--max_new_tokens", "12", "--temperature", "0", "--device",
+                                       "cpu", "--backend", "torch"])
+    assert code == 0, err[-2000:]
     expected = generate(str(ckpt), prompt="ROMEO:", max_new_tokens=12, temperature=0)
-    assert result.stdout == expected + "\n"
+    assert out == expected + "\n"
 
 
 def test_generate_loads_a_checkpoint_with_te_extra_state(ckpt, tmp_path):
@@ -57,11 +59,12 @@ def test_generate_loads_a_checkpoint_with_te_extra_state(ckpt, tmp_path):
         generate(str(path), prompt="x", max_new_tokens=1)
 
 
-def test_generate_errors_are_one_clear_line(ckpt, tmp_path):
-    result = run_cli("generate", "--ckpt", str(tmp_path / "missing.ckpt"), "--prompt", "hi")
-    assert result.returncode == 2
-    assert "error: checkpoint" in result.stderr and "does not exist" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_generate_errors_are_one_clear_line(ckpt, tmp_path, capsys):
+    code, _, err = run_main(capsys, ["generate", "--ckpt", tmp_path / "missing.ckpt", "--prompt",
+                                     "hi"])
+    assert code == 2
+    assert "error: checkpoint" in err and "does not exist" in err
+    assert "Traceback" not in err
     broken = tmp_path / "broken.ckpt"
     broken.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="broken.ckpt' is not a checkpoint written by torch.save"):

@@ -12,11 +12,9 @@ from fp8_lightning.config import ConfigError
 from fp8_lightning.data import prepare as prepare_module
 from fp8_lightning.data.prepare import prepare
 from fp8_lightning.tokenizer import get_tokenizer
-from tests._runs import cli_error
-from tests.data import TEXT_A
+from tests._runs import cli_error, two_worker_prepare
+from tests.data import PARTS, TEXT_A, TEXT_B
 from tests.helpers import DURATION
-
-TEXT_B = "Whether 'tis nobler in the mind to suffer\n" * 60
 
 
 def read_split(root, split, block):
@@ -58,35 +56,36 @@ def test_prepare_jsonl_puts_eot_between_documents(tmp_path):
     assert read_split(tmp_path / "ds", "train", 16) == ids[: meta["train_tokens"] // 16 * 16]
 
 
-def test_prepare_with_several_workers_is_reproducible_and_keeps_file_order(tmp_path):
+def test_prepare_with_several_workers_is_reproducible_and_keeps_file_order(tmp_path_factory,
+                                                                           tmp_path):
     # litdata's default work queue hands files to whichever worker is free, and the chunk names say
     # which worker wrote them: the same inputs gave a differently ordered dataset on every run.
+    # Two runs of the same six files (PARTS) with two workers: the CLI's, which the console test
+    # shares, and this process's.
     tok = get_tokenizer("gpt2")
-    lines = [TEXT_A, TEXT_B, "Ay, there's the rub;\n" * 90, "For in that sleep of death\n" * 30,
-             "Must give us pause\n" * 120, "The slings and arrows\n" * 45]
-    for i, text in enumerate(lines):  # different sizes: a size-sorted schedule would reorder them
-        (tmp_path / f"part{i}.txt").write_text(text)
+    inputs, _ = two_worker_prepare(tmp_path_factory)
+    ds0, ds1 = inputs / "ds", tmp_path / "ds1"
     before = multiprocessing.get_start_method()
-    runs = [prepare([str(tmp_path / "part*.txt")], str(tmp_path / f"ds{r}"), seq_len=15,
-                    val_fraction=0.1, num_workers=2) for r in range(2)]
-    assert runs[0]["num_workers"] == 2
+    meta = prepare([str(inputs / "part*.txt")], str(ds1), seq_len=15, val_fraction=0.1,
+                   num_workers=2)
+    assert meta["num_workers"] == 2
     # litdata's optimize forces the process-wide start method to spawn; prepare puts it back, or
     # every later data loader of the process would spawn (re-import torch) at each epoch
     assert multiprocessing.get_start_method() == before
     for split in ("train", "val"):
-        files = sorted(p.relative_to(tmp_path / "ds0") for p in (tmp_path / "ds0" / split).iterdir())
-        assert files == sorted(p.relative_to(tmp_path / "ds1") for p in (tmp_path / "ds1" / split).iterdir())
+        files = sorted(p.relative_to(ds0) for p in (ds0 / split).iterdir())
+        assert files == sorted(p.relative_to(ds1) for p in (ds1 / split).iterdir())
         for name in files:
-            a, b = ((tmp_path / ds / name).read_bytes() for ds in ("ds0", "ds1"))
+            a, b = ((ds / name).read_bytes() for ds in (ds0, ds1))
             if name.name == "index.json":  # the same chunks, in the same order; a write time differs
                 a, b = ({**json.loads(x), "updated_at": None} for x in (a, b))
             assert a == b, name
     # Worker 0 takes the first half of the sorted files, worker 1 the second: the stream starts
     # with part0's tokens and the second worker's chunks start with part3's.
-    train = read_split(tmp_path / "ds0", "train", 16)
-    first = tok.encode(lines[0]) + [tok.eot_id]
+    train = read_split(ds0, "train", 16)
+    first = tok.encode(PARTS[0]) + [tok.eot_id]
     assert train[:64] == first[:64]
-    fourth = tok.encode(lines[3]) + [tok.eot_id]
+    fourth = tok.encode(PARTS[3]) + [tok.eot_id]
     assert any(train[i:i + 64] == fourth[:64] for i in range(0, len(train), 16))
 
 
