@@ -7,7 +7,7 @@ import pytest
 from fp8_lightning import logs
 from fp8_lightning.cli import main
 from fp8_lightning.commands.compare import Run, compare, format_table, read_run, summary
-from tests._runs import run_cli
+from tests._runs import run_main
 from tests.helpers import LINE, logged_fit
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -44,22 +44,24 @@ def test_compare_reads_tensorboard_and_csv_runs(two_runs, tmp_path, capsys):
     assert "final/min loss: the console line's loss" in out and f"plot: {png}" in out
 
 
-def test_compare_command(two_runs, tmp_path):
+def test_compare_command(two_runs, tmp_path, capsys):
+    """(In this process: the command's parsing and output are under test, not Python's start-up.)"""
     tb, csv_run, _, _ = two_runs
     out = tmp_path / "plots" / "fp8_vs_bf16.png"
     # a run's default_root_dir or its version folder both work; --labels takes several values
     version = next(Path(csv_run).rglob("version_*"))
-    result = run_cli("compare", str(tb), str(version), "--output", str(out), "--labels", "a", "b")
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, stdout, err = run_main(capsys, ["compare", tb, version, "--output", out, "--labels", "a",
+                                          "b"])
+    assert code == 0, err[-2000:]
     assert out.read_bytes()[:8] == PNG
-    header, rule, first, second = result.stdout.splitlines()[:4]
+    header, rule, first, second = stdout.splitlines()[:4]
     for column in ("run", "precision", "final loss", "min loss", "final val loss", "val gap",
                    "tok/s", "speedup"):
         assert column in header
     assert first.startswith("a ") and first.rstrip().endswith("1.00x")
     # the CSV run has one window after warm-up: no spread to judge noise by
     assert second.startswith("b ") and second.endswith("(too few windows to judge noise)")
-    assert f"plot: {out}" in result.stdout
+    assert f"plot: {out}" in stdout
 
 
 def test_compare_missing_run_is_one_error(tmp_path, capsys):
