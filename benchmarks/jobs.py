@@ -270,11 +270,13 @@ class Builder:
         self.add(Run("corpus-text", [*PYTHON, "scripts/py_corpus.py", purelib, TEXT, "--max_mb",
                                      f"{self.opts.max_mb:g}", "--files", "16"],
                      done_if=f"{TEXT}/*.txt", alone=True))
-        # 16 workers for 1024-token blocks; 4 for 8192 (each worker's share of the 0.5% val
-        # split must hold whole blocks: more workers can leave none on a small corpus)
+        # 16 workers for 1024-token blocks; 4 for 8192 (each worker's share of the val split
+        # must hold whole blocks: more workers can leave none on a small corpus). 8192-token
+        # blocks take 2% for validation: 0.5% of a small corpus holds no block per rank.
         self.add(Run(f"prepare-{seq_len}", [*PACKAGE, "prepare", "--inputs", f"{TEXT}/*.txt",
                                             "--output_dir", path, "--seq_len", str(seq_len),
-                                            "--val_fraction", "0.005", "--num_workers",
+                                            "--val_fraction", "0.005" if seq_len == 1024 else "0.02",
+                                            "--num_workers",
                                             "16" if seq_len == 1024 else "4"],
                      done_if=f"{path}/meta.json", alone=True))
         return path

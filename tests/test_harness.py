@@ -96,7 +96,7 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
     assert o("fp8-delayed-te-attn", "configs/gpt2_fp8.yaml") == []
     assert o("torch-compile", "configs/gpt2_bf16.yaml") == []
     assert o("fp8-delayed-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == []
-    assert o("torch-compile-ac-mlp", "configs/llama3_3b_bf16.yaml") == []
+    assert o("torch-compile", "configs/llama3_3b_bf16.yaml") == []
     plugin = "--trainer.plugins.init_args"
     assert o("fp8-tensorwise", "configs/gpt2_fp8.yaml") == [
         "--model.attention", "sdpa", f"{plugin}.recipe", "tensorwise"]
