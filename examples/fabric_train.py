@@ -194,12 +194,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # The TE blocks replayed as CUDA graphs, as fit's step does (fp8_lightning/graphs.py): their
     # kernels launched from Python cost the host more than the GPU at these sizes.
-    graphs_on, why = graphs_status(fabric.device.type, world, sharded=args.strategy == "fsdp")
-    if graphs_on and args.strategy == "fsdp":
-        # a block's graph cannot hold FSDP2's gather and reduce hooks (fit captures the whole
-        # step there: fp8_lightning/step_graph.py); a failed capture would leave FP8 off
-        graphs_on, why = False, "FSDP2's hooks run in Python, outside a block's replay"
-    elif graphs_on and (recipe.backend_name != "te" or args.no_cuda_graphs):
+    # (under FSDP2 a block's graph cannot hold the gather and reduce hooks: fit captures the
+    # whole step there, fp8_lightning/step_graph.py; this loop replays blocks)
+    graphs_on, why = graphs_status(fabric.device.type, world, sharded=args.strategy == "fsdp",
+                                   whole_step=False)
+    if graphs_on and (recipe.backend_name != "te" or args.no_cuda_graphs):
         graphs_on, why = False, ("--no_cuda_graphs" if args.no_cuda_graphs else
                                  "the PyTorch backend's blocks are not captured here")
     fabric.print("CUDA graphs: " + (("a graph per block" if world > 1 else "the blocks as one")

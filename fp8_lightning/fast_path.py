@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
-from .graphs import graphs_status
+from .graphs import graphs_status, te_primes_after_warmup
 
-Graphs = Literal["blocks", "per-block", "inductor", "step"]
+Graphs = Literal["blocks", "per-block", "inductor", "step", "recorded"]
 
 
 def compile_status(device_type: str) -> tuple[bool, str]:
@@ -58,8 +58,10 @@ class FastPath:
             the PyTorch backend each block compiled, then captured), ``"inductor"`` (PyTorch
             backend, one GPU: the compiled model in Inductor's CUDA graphs), ``"step"`` (TE under
             FSDP2: a micro-batch's whole forward and backward as one graph, FSDP2's collectives
-            inside it, :mod:`fp8_lightning.step_graph`), or None: no graphs (not decided yet, or
-            off).
+            inside it, :mod:`fp8_lightning.step_graph`), ``"recorded"`` (a model this package
+            did not build: a graph per block, recorded from its first training step's calls,
+            :class:`~fp8_lightning.own_model_graphs.ModelBlockGraphs`), or None: no graphs (not
+            decided yet, or off).
         graphs_why: why (not), once decided.
     """
 
@@ -118,11 +120,10 @@ def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, bac
     its graphs decided. ``runs_float8``: the PyTorch backend's layers run torchao float8.
     ``step_graph_fits``: the memory estimate leaves room for FSDP2's step graph (its memory pool
     stays held while an eager step after a validation allocates its own activations)."""
-    ok, why = graphs_status(device_type, world_size, callbacks, sharded)
-    if ok and sharded and backend != "te":
-        # (not measured: under FSDP2 its compiled blocks kept the GPU's launch queue full)
-        ok, why = False, "under FSDP2 only the TE backend's step is captured"
-    elif ok and sharded and activation_checkpointing == "full":
+    # (the PyTorch backend's step under FSDP2 is not captured: its compiled blocks kept the GPU's
+    # launch queue full, not measured faster)
+    ok, why = graphs_status(device_type, world_size, callbacks, sharded, whole_step=backend == "te")
+    if ok and sharded and activation_checkpointing == "full":
         # te.checkpoint saves the CUDA RNG state in forward, which a capture forbids
         ok, why = False, ("full activation checkpointing saves the CUDA RNG state, which a "
                           "captured step cannot (mlp can)")
@@ -144,6 +145,37 @@ def plan_graphs(path: FastPath, wanted: Optional[bool], *, device_type: str, bac
     kind: Graphs = ("step" if sharded else "per-block" if world_size > 1
                     else "inductor" if backend != "te" else "blocks")
     return replace(path, graphs=kind, graphs_why=why)
+
+
+def plan_model_graphs(cuda_graphs: Optional[bool], compile_blocks: Optional[bool], *,
+                      device_type: str, engine: str, world_size: int, blocks: int) -> FastPath:
+    """The plan for a model this package did not build (``Speedups``' ``cuda_graphs`` and
+    ``compile_blocks``, None: their defaults): its ``blocks`` repeated modules replayed a graph
+    each (``"recorded"``), each capture compiled around its TE layers or not. The rules every
+    model shares are :func:`~fp8_lightning.graphs.graphs_status`'s; FSDP2 shows only once the
+    blocks hold sharded parameters, so the capture asks it again then."""
+    if engine != "te":
+        ok, why = False, f"the {engine} engine's modules are not captured; the TE engine's are"
+    else:
+        ok, why = graphs_status(device_type, world_size, whole_step=False)
+        if ok and not blocks:
+            ok, why = False, "no repeated blocks (an nn.ModuleList) found"
+    if cuda_graphs is False or not ok:
+        why = "cuda_graphs: false" if cuda_graphs is False else why
+        path = FastPath(False, "it compiles the blocks' captures, and there are none",
+                        per_block=True, graphs=None,
+                        graphs_why=f"cuda_graphs=true but {why}" if cuda_graphs else why)
+        return path
+    if compile_blocks is not None:
+        compile, compile_why = compile_blocks, f"compile_blocks: {str(compile_blocks).lower()}"
+    elif world_size > 1:  # measured on one GPU
+        compile, compile_why = False, "several ranks (measured on one GPU; compile_blocks: true)"
+    elif not te_primes_after_warmup():
+        compile, compile_why = False, ("this TE's make_graphed_callables has no post_warmup_hook "
+                                       "to prime a compiled capture")
+    else:
+        compile, compile_why = True, "one rank: each block's capture compiled around its TE layers"
+    return FastPath(compile, compile_why, per_block=True, graphs="recorded", graphs_why=why)
 
 
 def _inductor_graphs_status(path: FastPath, wanted: Optional[bool], world_size: int,
@@ -173,4 +205,5 @@ def _inductor_graphs_status(path: FastPath, wanted: Optional[bool], world_size: 
 GRAPHS_HOW = {"blocks": "the blocks (TE make_graphed_callables)",
               "per-block": "a graph per block (make_graphed_callables)",
               "inductor": "the compiled model (torch.compile mode reduce-overhead)",
-              "step": "the step's forward and backward as one graph (FSDP2's collectives in it)"}
+              "step": "the step's forward and backward as one graph (FSDP2's collectives in it)",
+              "recorded": "a graph per block, recorded from the first training step's calls"}

@@ -274,16 +274,29 @@ class BlockGraphs:
         return self.key == self.key_of(batch_shape, self.te and fp8_state()[0])
 
 
+def world_size() -> int:
+    """The ranks training together (1 without a process group): where a model's own forward is
+    converted, before any strategy hands the plan its data-parallel size."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),
-                  sharded: bool = False) -> tuple[bool, str]:
-    """Can a training step replay CUDA graphs here, and why (not): the TE path's blocks, and
-    the PyTorch backend's compiled model (which has conditions of its own besides)."""
+                  sharded: bool = False, whole_step: bool = True) -> tuple[bool, str]:
+    """Can a training step replay CUDA graphs here, and why (not): the one place for the rules
+    every model shares (a GPU, Python-side hooks, DDP, FSDP2). ``whole_step``: the model captures
+    its whole step under FSDP2 (this package's GPT on the TE backend); another model's blocks are
+    replayed one by one, which FSDP2 rules out. The PyTorch backend's compiled model has conditions
+    of its own besides (:func:`fp8_lightning.fast_path.plan_graphs`)."""
     if device_type != "cuda":
         return False, "CUDA graphs need a GPU"
-    if any(type(c).__name__ == "FP8Stats" for c in callbacks):
+    if te_debug_on() or any(type(c).__name__ == "FP8Stats" for c in callbacks):
         return False, "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
     if sharded:  # FSDP2 gathers a block's weights into storage it frees and allocates again,
         # where a block's own replay would not see them: the whole step is one graph there
+        if not whole_step:
+            return False, ("FSDP2's hooks run in Python, outside a block's replay (only the TE "
+                           "backend of this package's GPT captures the whole step)")
         if any(type(c).__name__ == "FaultInjection" for c in callbacks):
             return False, ("FaultInjection's hooks on the embedding run in Python, not in a "
                            "replay of the whole step")

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .graphs import (_te_quantization_state, can_cache_weights, capture, fp8_now, fp8_state,
-                     release, te_debug_on)
+                     graphs_status, release, world_size)
 from .te_availability import te_available
 
 log = logging.getLogger(__name__)
@@ -317,12 +317,11 @@ class ModelBlockGraphs:
         why = why or next((f"block {i} has a forward of its own on the instance (a wrapper "
                            "such as accelerate's hooks), which a capture would skip"
                            for i, b in enumerate(self.blocks) if "forward" in b.__dict__), "")
-        if not why and (not params or params[0].device.type != "cuda"):
-            why = "CUDA graphs need a GPU"
-        if not why and any(isinstance(p, DTensor) for p in params):
-            why = "FSDP2's hooks run in Python, outside a replay"
-        if not why and te_debug_on():
-            why = "FP8Stats reads TE's debug hooks, which run in Python, not in a replay"
+        if not why:  # the plan's rules again, now that the blocks show where they train
+            ok, status = graphs_status(params[0].device.type if params else "cpu", world_size(),
+                                       sharded=any(isinstance(p, DTensor) for p in params),
+                                       whole_step=False)
+            why = "" if ok else status
         if why:
             self._off(why)
             return

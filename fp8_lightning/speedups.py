@@ -21,14 +21,11 @@ from .fp8.attention import cudnn_first, cudnn_is_first, prefer_cudnn, settle_ord
 from .fp8.converter import ModelConverter
 from .fp8.policy import find_blocks
 from .fp8.wgrad import FusedWgrad, fused_wgrad_blocker, weight_params
+from .fast_path import FastPath, plan_model_graphs
+from .graphs import world_size
 
 log = logging.getLogger(__name__)
 _info = rank_zero_only(log.info)
-
-
-def _several_ranks() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1
 
 
 class Speedups(ModelConverter):
@@ -85,6 +82,7 @@ class Speedups(ModelConverter):
         self.cudnn_first = False
         self.wgrad: Optional[FusedWgrad] = None
         self.graphs: Any = None  # ModelBlockGraphs
+        self.path: Optional[FastPath] = None  # what the graphs plan decided, and why
 
     @staticmethod
     def _own_gpt(model: nn.Module) -> bool:
@@ -102,11 +100,8 @@ class Speedups(ModelConverter):
                       if self._own_gpt(model) else f"engine {engine}: they act on the TE "
                       "engine's layers; the torchao engine compiles the whole model")
             return {}
-        if self.compile_blocks is True and self.cuda_graphs is False:
-            _info("compile_blocks: off (it compiles the blocks' CUDA graph captures, and "
-                  "cuda_graphs=false)")
         # measured on one GPU; on several ranks only where asked for
-        return {"fuse_mlp": False if self.fuse_mlp is None and _several_ranks() else self.fuse_mlp}
+        return {"fuse_mlp": False if self.fuse_mlp is None and world_size() > 1 else self.fuse_mlp}
 
     @override
     def convert(self, model: nn.Module, *, engine: str, fp8: bool, weights: str,
@@ -174,8 +169,8 @@ class Speedups(ModelConverter):
               "main_grad, which is their .grad", len(modules))
 
     def _plan_graphs(self, model: nn.Module, engine: str, device_type: str) -> None:
-        """CUDA graphs of the converted model's blocks."""
-        from .graphs import te_primes_after_warmup
+        """CUDA graphs of the converted model's blocks, as :func:`~fp8_lightning.fast_path.
+        plan_model_graphs` decides."""
         from .own_model_graphs import ModelBlockGraphs
 
         if self.graphs is not None:  # set up again: the same model's live graphs stay (they
@@ -184,27 +179,22 @@ class Speedups(ModelConverter):
                 return
             self.graphs.remove()
             self.graphs = None
-        if self.cuda_graphs is False:
-            return
-        if engine != "te" or self._own_gpt(model):
+        if self._own_gpt(model):
             if self.cuda_graphs:
-                _info("CUDA graphs of the model's blocks: off (%s)",
-                      "this package's GPT graphs its blocks itself: model.cuda_graphs"
-                      if self._own_gpt(model) else
-                      f"the {engine} engine's modules are not captured; the TE engine's are")
+                _info("CUDA graphs of the model's blocks: off (this package's GPT graphs its "
+                      "blocks itself: model.cuda_graphs)")
             return
-        name, n = find_blocks(model)
-        why = ("CUDA graphs need a GPU" if device_type != "cuda" else
-               "" if n else "no repeated blocks (an nn.ModuleList) found")
-        if why:
-            if self.cuda_graphs:
-                _info("CUDA graphs of the model's blocks: off (%s)", why)
+        name, n = find_blocks(model) if engine == "te" else ("", 0)
+        self.path = plan_model_graphs(self.cuda_graphs, self.compile_blocks,
+                                      device_type=device_type, engine=engine,
+                                      world_size=world_size(), blocks=n)
+        if self.path.graphs is None:
+            if self.cuda_graphs:  # asked for: say why not (unasked, the default stays quiet)
+                _info("CUDA graphs of the model's blocks: off (%s)", self.path.graphs_why)
+            if self.compile_blocks and engine == "te":  # (engine_options said it for the others)
+                _info("compile_blocks: off (%s)", self.path.compile_why)
             return
-        compile = self.compile_blocks
-        if compile is None:  # measured on one GPU (on several ranks only where asked for), and
-            # a compiled capture needs TE's post_warmup_hook
-            compile = not _several_ranks() and te_primes_after_warmup()
-        self.graphs = ModelBlockGraphs(model.get_submodule(name), compile=compile)
+        self.graphs = ModelBlockGraphs(model.get_submodule(name), compile=self.path.compile)
 
     @override
     def context(self) -> Any:

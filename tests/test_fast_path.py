@@ -2,6 +2,8 @@
 as CUDA graphs, and why (the replays themselves need a GPU: tests/test_gpu_fast_path.py and
 tests/test_gpu_engines.py run them)."""
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -10,6 +12,7 @@ from fp8_lightning import fast_path as fast_path_lib
 from fp8_lightning import fast_path_runner
 from fp8_lightning.config import GPTConfig
 from fp8_lightning.fast_path import FastPath, plan_compile, plan_graphs
+from fp8_lightning.graphs import graphs_status
 from fp8_lightning.module import GPTLightningModule
 
 COMPILED = FastPath(True, "torch.compile works here")
@@ -70,7 +73,7 @@ def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
 
 @pytest.mark.parametrize("wanted, where, reason", [
     (None, dict(device_type="cpu"), "CUDA graphs need a GPU"),
-    (None, dict(backend="torch", world_size=2, sharded=True), "only the TE backend's step"),
+    (None, dict(backend="torch", world_size=2, sharded=True), "only the TE backend of this package's GPT"),
     (None, dict(world_size=2, sharded=True, callbacks=[FP8Stats()]), "FP8Stats"),
     # what a capture of the whole step under FSDP2 cannot hold, or has no memory for
     (None, dict(world_size=2, sharded=True, activation_checkpointing="full"),
@@ -143,3 +146,47 @@ def test_the_pytorch_backend_is_compiled_for_its_graphs_when_they_are_planned(mo
     per_block = all("residual" in block.__dict__ for block in module.model.blocks)
     assert per_block == (graphs == "per-block")
     assert (module.model._compiled_call_impl is None) == (graphs == "per-block")
+
+
+# ------------------------------------------------ a model this package did not build (Speedups)
+def test_another_models_blocks_are_recorded_a_graph_each_under_the_same_rules(monkeypatch):
+    from fp8_lightning.fast_path import plan_model_graphs
+
+    monkeypatch.setattr(fast_path_lib, "te_primes_after_warmup", lambda: True)
+    plan = functools.partial(plan_model_graphs, None, None, engine="te", blocks=4)
+    one_gpu = plan(device_type="cuda", world_size=1)
+    assert one_gpu.graphs == "recorded" and one_gpu.graphs_why == "one GPU"
+    assert one_gpu.compile and one_gpu.per_block  # each block's capture compiled
+    ddp = plan(device_type="cuda", world_size=2)
+    # the rule DDP's blocks follow in this package's GPT too; compiled captures measured on one GPU
+    assert ddp.graphs == "recorded" and ddp.graphs_why == "DDP, a graph per block"
+    assert not ddp.compile and "several ranks" in ddp.compile_why
+    assert plan_model_graphs(None, True, engine="te", blocks=4, device_type="cuda",
+                             world_size=2).compile  # asked for
+    assert plan(device_type="cpu", world_size=1).graphs_why == "CUDA graphs need a GPU"
+    # a TE whose make_graphed_callables cannot prime a compiled capture: graphs, not compiled
+    monkeypatch.setattr(fast_path_lib, "te_primes_after_warmup", lambda: False)
+    old_te = plan(device_type="cuda", world_size=1)
+    assert old_te.graphs == "recorded" and not old_te.compile and "post_warmup_hook" in old_te.compile_why
+
+
+@pytest.mark.parametrize("args, where, reason", [
+    ((None, None), dict(engine="torchao"), "the torchao engine's modules are not captured"),
+    ((None, None), dict(blocks=0), "no repeated blocks (an nn.ModuleList) found"),
+    ((True, None), dict(blocks=0), "cuda_graphs=true but no repeated blocks"),
+    ((False, True), dict(), "cuda_graphs: false"),
+])
+def test_another_models_graphs_stay_off_elsewhere_and_say_why(args, where, reason):
+    from fp8_lightning.fast_path import plan_model_graphs
+
+    where = {"engine": "te", "blocks": 4, "device_type": "cuda", "world_size": 1, **where}
+    path = plan_model_graphs(*args, **where)
+    assert path.graphs is None and reason in path.graphs_why and not path.compile
+
+
+def test_under_fsdp2_only_this_packages_gpt_captures_its_step():
+    """FSDP2 frees and re-gathers a block's weights between steps: a block's own replay would
+    read freed storage, so only a whole-step capture (this package's GPT on TE) holds it."""
+    ok, why = graphs_status("cuda", 2, sharded=True, whole_step=False)
+    assert not ok and why.startswith("FSDP2's hooks run in Python, outside a block's replay")
+    assert graphs_status("cuda", 2, sharded=True)[0]
