@@ -286,6 +286,8 @@ class FP8LightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:
             trainer = super().instantiate_trainer(**kwargs)
+        except ConfigError:
+            raise  # our own strategy's, once it knows the devices (FSDP2Strategy.replicate)
         except (MisconfigurationException, ValueError) as err:
             # Lightning's own checks of the Trainer's arguments (devices, accelerator,
             # precision beside a precision plugin, ...): a bad config, not a crash.

@@ -19,6 +19,14 @@ Why FSDP2 (``fully_shard``) and not FSDP1 (Lightning's ``FSDPStrategy``):
   them; this module makes the write atomic.
 * FSDP1 is in maintenance upstream; torchtitan and TE's own FSDP examples moved to FSDP2.
 
+HSDP (``FSDP2Strategy(replicate=N)``, by default one replica per node): ``fully_shard`` on a 2-D
+(replicate, shard) mesh shards the model within each group of world/N ranks and replicates it
+across the groups, so the per-unit all-gathers and reduce-scatters stay on a node's links and only
+the gradient all-reduce between replicas crosses nodes. Data parallelism still spans every rank
+(each reads its own samples); delayed scaling's amaxes are reduced over the world and torchao's
+float8 weight scales over a shard group of identical replicas, so every rank quantises alike; the
+DCP shards reshard on load into any other layout (HSDP 2x2 -> FSDP2 on 4 -> one file).
+
 FP8 scaling state under FSDP2: it never goes into the DCP shards. ``FP8Precision`` replaces each TE
 module's pickled ``_extra_state`` by an empty tensor and stores the delayed-scaling amax history
 and scales as plain tensors in its own state, which Lightning writes to the directory's
@@ -79,7 +87,8 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
 
     Args:
         gpt: the :class:`~fp8_lightning.model.GPT`.
-        mesh: the 1-D data-parallel device mesh.
+        mesh: the 1-D data-parallel device mesh (FSDP2), or a 2-D (replicate, shard) one
+            (HSDP: :func:`fsdp2_mesh`).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (``None``: parameters in their own dtype).
         reshard_after_forward: free each unit's gathered weights after its forward (ZeRO-3). The
             last unit keeps them either way: backward needs them first (torchtitan does the same).
@@ -109,6 +118,61 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
                                             with_kwargs=True)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(gpt, reshard_after_forward=False, **kwargs)
+
+
+def replica_problems(replicate: Any, world_size: Optional[int] = None) -> list[str]:
+    """What is wrong with FSDP2Strategy's ``replicate`` (for a world of ``world_size`` ranks,
+    where known): one line each, with what is valid."""
+    if replicate is None:
+        return []
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        return [f"replicate={replicate!r}; valid: null (one replica per node), 1 (plain FSDP2) "
+                "or an integer >= 1 that divides the world size"]
+    if world_size is not None and world_size % replicate:
+        valid = ", ".join(str(n) for n in range(1, world_size + 1) if world_size % n == 0)
+        return [f"replicate={replicate} does not divide the world size {world_size} (devices x "
+                f"num_nodes); valid: {valid}"]
+    return []
+
+
+def replicas(replicate: Optional[int], num_nodes: int) -> int:
+    """HSDP's replica count: ``replicate`` as given, or (None) one per node, so that the
+    all-gathers stay within a node (1 on one node: plain FSDP2)."""
+    return max(1, num_nodes) if replicate is None else replicate
+
+
+def fsdp2_mesh(mesh: Any, replicate: int = 1) -> Any:
+    """The mesh ``fully_shard`` takes, from Lightning's (data_parallel, tensor_parallel) mesh
+    (``ModelParallelStrategy``'s, the Trainer's or Fabric's, tensor-parallel size 1): with one
+    replica its 1-D data-parallel mesh (FSDP2); with ``replicate`` > 1 a 2-D (replicate, shard)
+    mesh of the same ranks (HSDP), consecutive ranks (a node's, as launchers number them) in one
+    shard group. Lightning's mesh stays the data-parallel one: samplers split data over every
+    rank either way."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .config import ConfigError
+
+    data_parallel = mesh["data_parallel"]
+    world = data_parallel.size()
+    problems = replica_problems(replicate, world)
+    if mesh.size() != world:
+        problems.append(f"a tensor-parallel size of {mesh.size() // world}; valid: 1 "
+                        "(data_parallel_size = world size)")
+    if problems:
+        raise ConfigError(problems, "FSDP2 mesh")
+    if replicate == 1:
+        return data_parallel
+    return init_device_mesh(mesh.device_type, (replicate, world // replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def describe_mesh(mesh: Any) -> str:
+    """The layout of a :func:`fsdp2_mesh`, for the log."""
+    if mesh.ndim == 1:
+        return f"one replica sharded over {mesh.size()} rank(s)"
+    replicate, shard = mesh.shape
+    return (f"HSDP, {replicate} replicas x {shard} shard{'s' if shard > 1 else ''} "
+            "(all-gathers within a replica group)")
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict
@@ -292,7 +356,8 @@ def build_device(module: Any, device: torch.device) -> Optional[torch.device]:
 
 class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 data parallelism over every device: each block's parameters, gradients and optimizer
-    state sharded across ranks, the model gathered block by block in forward and backward.
+    state sharded across ranks (HSDP: across the ranks of each replica group), the model gathered
+    block by block in forward and backward.
 
     Args:
         reshard_after_forward: free each unit's gathered weights after its forward (less memory,
@@ -318,6 +383,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             file gathered on rank 0.
         process_group_backend: ``nccl`` on GPUs (default), ``gloo`` on CPUs.
         timeout: collective timeout.
+        replicate: model replicas (HSDP): the model is sharded within each group of
+            world size / ``replicate`` consecutive ranks and replicated across the groups, so
+            all-gathers and reduce-scatters stay inside a group and only the gradient all-reduce
+            crosses groups. ``None`` (default): ``trainer.num_nodes`` (a replica per node; on one
+            node plain FSDP2); ``1``: plain FSDP2 over every rank (the least memory per GPU).
+            Must divide the world size.
     """
 
     def __init__(self, reshard_after_forward: Optional[bool] = None,
@@ -325,10 +396,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                  float8_all_gather: Optional[bool] = None,
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
+                 timeout: Optional[timedelta] = default_pg_timeout,
+                 replicate: Optional[int] = None) -> None:
         from .config import ConfigError
 
-        problems = []
+        problems = replica_problems(replicate)
         if param_dtype not in ("bfloat16", "float32"):
             problems.append(f"param_dtype={param_dtype!r}; valid: bfloat16, float32")
         if blocks_per_unit is not None and (isinstance(blocks_per_unit, bool)
@@ -344,6 +416,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.blocks_per_unit = blocks_per_unit
         self.float8_all_gather = float8_all_gather
+        self.replicate = replicate
+        self._fsdp2_mesh: Any = None  # what fully_shard takes (setup_environment)
         self._float8_weights: list[torch.Tensor] = []  # sharded, gathered as float8
         self._float8_scales_current = False  # precomputed since the weights last changed
 
@@ -352,7 +426,41 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Every device is one data-parallel rank (ModelParallelStrategy's "auto" would make the
         # devices of a node a tensor-parallel group).
         self._data_parallel_size = self.num_nodes * self.num_processes
+        self._check_replicate()
         super().setup_environment()
+        self._fsdp2_mesh = fsdp2_mesh(self.device_mesh, self.replicas)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer's set-up has given the devices and nodes here, before any process starts:
+        # a replica count that does not fit them is one error in the launching process.
+        self._check_replicate()
+        super()._configure_launcher()
+
+    def _check_replicate(self) -> None:
+        from .config import ConfigError
+
+        problems = replica_problems(self.replicate, self.num_nodes * self.num_processes)
+        if problems:
+            raise ConfigError(problems, "FSDP2Strategy")
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas (``replicate``, or one per node)."""
+        return replicas(self.replicate, self.num_nodes)
+
+    @property
+    def shards(self) -> int:
+        """Ranks a model is sharded over (the memory estimate's divisor): world / replicas."""
+        return max(1, self.num_nodes * self.num_processes // self.replicas)
+
+    @property
+    def fsdp2_mesh(self) -> Any:
+        """The mesh the model is sharded on: the data-parallel one, or (HSDP) 2-D (replicate,
+        shard). Samplers use Lightning's ``device_mesh``: every rank its own data either way."""
+        if self._fsdp2_mesh is None:
+            raise RuntimeError("FSDP2Strategy.fsdp2_mesh before setup_environment")
+        return self._fsdp2_mesh
 
     @override
     @contextmanager
@@ -385,11 +493,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard, per_unit, how = fsdp2_layout(gpt, self.reshard_after_forward,
                                               self.blocks_per_unit,
                                               getattr(module, "fits_one_gpu", None))
+        rank_zero_info(f"FSDP2: {describe_mesh(self.fsdp2_mesh)}")
         rank_zero_info(f"FSDP2: {how}")
         advice = ddp_hint(getattr(module, "fits_one_gpu", None))
         if advice:
             rank_zero_info(advice)
-        shard_model(gpt, self.device_mesh["data_parallel"], mp_policy=mp_policy,
+        shard_model(gpt, self.fsdp2_mesh, mp_policy=mp_policy,
                     reshard_after_forward=reshard, blocks_per_unit=per_unit)
         # fully_shard replaced each parameter by its DTensor shard: the weights as they are now
         self._float8_weights = [getattr(module, name) for module, name in gathered]

@@ -188,6 +188,8 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
         return n if n <= 64 else None
 
     def fsdp(n: int) -> str:
+        if run.shards > 1 and n == gpus:  # HSDP: sharding over every GPU there is
+            return f"FSDP2 over all {n} GPUs, one replica (trainer.strategy.init_args.replicate: 1)"
         return (f"FSDP2 over {n} GPUs (--config configs/fsdp.yaml; trainer.devices x "
                 f"trainer.num_nodes = {n})")
 

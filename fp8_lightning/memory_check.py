@@ -30,7 +30,7 @@ def run_shape(trainer: "L.Trainer", datamodule: Any, config: GPTConfig, backend:
     precision = plugin.precision if plugin is not None else str(trainer.precision)
     return RunShape(batch_size=batch_size,
                     seq_len=getattr(datamodule, "seq_len", None) or config.block_size,
-                    shards=trainer.world_size if is_sharded(trainer.strategy) else 1,
+                    shards=shard_count(trainer),
                     fp8=plugin is not None and backend == "te",
                     fp32_residual=config.residual_in_fp32(backend),
                     activation_checkpointing=activation_checkpointing,
@@ -38,6 +38,14 @@ def run_shape(trainer: "L.Trainer", datamodule: Any, config: GPTConfig, backend:
                     master_bytes=2 if precision in ("bf16-true", "16-true") else 4,
                     compiled_loss=compiled_loss,
                     accumulate_grad_batches=trainer.accumulate_grad_batches)
+
+
+def shard_count(trainer: "L.Trainer") -> int:
+    """Ranks the training state is sharded over: 1 unsharded (DDP), the world under FSDP2, the
+    ranks of a replica group under HSDP (``FSDP2Strategy.shards``)."""
+    if not is_sharded(trainer.strategy):
+        return 1
+    return getattr(trainer.strategy, "shards", None) or trainer.world_size
 
 
 def is_gpu_fit(trainer: Optional["L.Trainer"]) -> bool:

@@ -48,7 +48,7 @@ LONGEST_FIRST = ("test_signals.py", "data/test_prepare.py", "test_bad_input.py",
                  "test_distributed.py", "test_readme.py", "test_fabric.py", "test_fsdp2.py",
                  "test_cli.py", "test_console.py", "test_scripts.py", "test_notebook.py",
                  "callbacks/test_checkpoint.py", "commands/test_bench.py",
-                 "data/test_streaming.py", "commands/test_compare.py")
+                 "data/test_streaming.py", "commands/test_compare.py", "test_hsdp.py")
 TESTS = Path(__file__).resolve().parent
 
 

@@ -1,8 +1,9 @@
 """GPU tests on two GPUs: FP8 under DDP (compiled regions, a CUDA graph per block with DDP's
 all-reduce between the replays) and under FSDP2 (its chosen layout) trains as one GPU reading the
 same samples, StepProfile splits the step under the real strategy, activation checkpointing
-under FSDP2 gives no checkpointing's gradients, the Fabric example resumes under FSDP2, and a
-user's own model (examples/own_model.py) replays its blocks under DDP with cached FP8 weights.
+under FSDP2 gives no checkpointing's gradients, HSDP (two replicas) trains as FSDP2, the Fabric
+example resumes under FSDP2, and a user's own model (examples/own_model.py) replays its blocks
+under DDP with cached FP8 weights.
 
 `python -m pytest -m gpu tests/test_gpu_ddp.py -s` on a machine with two GPUs (they skip with
 fewer, or without CUDA/TE).
@@ -105,6 +106,25 @@ def test_bf16_on_the_pytorch_backend_replays_a_compiled_graph_per_block_under_dd
     # the replicas took the same steps: every gradient reached DDP's all-reduce
     digests = [p.read_text() for p in sorted((tmp_path / "digests").glob("rank*.txt"))]
     assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@needs_te
+def test_hsdp_of_two_replicas_on_two_gpus_trains_fp8_as_plain_fsdp2(tmp_path):
+    """``FSDP2Strategy(replicate=2)`` on two GPUs: HSDP 2x1, two replicas of one shard each (the
+    one HSDP layout two GPUs have; gradients all-reduced across the replicas, TE's amax over
+    both ranks). FP8 delayed runs, the log names the mesh, the losses are finite and those of
+    plain FSDP2 on the same two GPUs (every rank reads its own samples either way) within FP8
+    tolerance."""
+    _, plain = fit(tmp_path / "fsdp", "--config", "configs/fsdp.yaml", "--trainer.devices", "2")
+    out, hsdp = fit(tmp_path / "hsdp", "--config", "configs/fsdp.yaml", "--trainer.devices", "2",
+                    "--trainer.strategy.init_args.replicate", "2")
+    assert "FSDP2: HSDP, 2 replicas x 1 shard (all-gathers within a replica group)" in out, \
+        out[-4000:]
+    assert "FP8 verified" in out and "NaN guard: skipped" not in out
+    assert sorted(hsdp) == sorted(plain) == [10, 20, 30]
+    worst = max(abs(hsdp[s] - plain[s]) / plain[s] for s in plain)
+    print(f"\n[HSDP 2x1 vs FSDP2, 2 GPUs] losses {hsdp} vs {plain}, worst gap {worst:.4f}")
+    assert hsdp[30] < hsdp[10] - 0.5 and worst < 0.03
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tensorwise"])

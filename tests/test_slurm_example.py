@@ -91,6 +91,8 @@ def test_each_task_s_slurm_environment_gives_its_ranks_of_the_run(tmp_path, monk
     environment = trainer.strategy.cluster_environment
     assert type(environment).__name__ == "SLURMEnvironment"
     assert type(trainer.strategy).__name__ == "FSDP2Strategy"
+    # HSDP by default on several nodes: a replica per node, sharded over its GPUs
+    assert (trainer.strategy.replicas, trainer.strategy.shards) == (nodes, per_node)
     assert (trainer.world_size, trainer.global_rank, trainer.node_rank, trainer.local_rank) == (
         nodes * per_node, rank, node, local)
     assert environment.main_address == "gpu01"  # the first node of the list, on every task

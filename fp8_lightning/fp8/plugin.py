@@ -534,5 +534,7 @@ def _data_parallel_group() -> Any:
     """The group delayed scaling reduces amax over: every data-parallel rank."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
+        # The world under DDP, FSDP2 and HSDP alike, never an HSDP shard group: each rank sees its
+        # own data, and replicas quantising with different scales would drift apart.
         return torch.distributed.group.WORLD
     return None

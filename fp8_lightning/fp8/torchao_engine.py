@@ -131,7 +131,9 @@ def precompute_float8_scales(weights: list[torch.Tensor]) -> None:
         return
     locals_ = [getattr(w, "_local_tensor", w) for w in weights]
     amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # (n,) DTensor: Partial
-    amax = torch.clamp(amax, EPS).to(torch.float64)  # the all-reduce: Replicate
+    # the all-reduce: Replicate, over the shard group (HSDP: each replica group's; the replicas
+    # hold the same weights, so every rank of the world gets the same scales)
+    amax = torch.clamp(amax, EPS).to(torch.float64)
     scale = torch.finfo(locals_[0]._dtype).max / amax
     scale = getattr(scale, "to_local", lambda: scale)().to(torch.float32)
     for i, local in enumerate(locals_):
