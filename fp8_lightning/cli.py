@@ -78,20 +78,40 @@ def short_parser_message(message: str) -> str:
     classes = _CLASS_PATH.findall(message)
     given = _GIVEN.findall(message)
     nested = len(keys) > 1 and given  # an option inside a class's init_args
+    known = {p for c in map(_import_class, classes) if c is not None
+             for p in inspect.signature(c).parameters}
+    # an option no class named has (a union's other branches refuse the valid ones too)
+    unknown = [k for k in unknown if k not in known] or ([] if nested else unknown)
     if keys and (nested or unknown):
-        key, value = (keys[-1], given[0].strip()) if nested else (unknown[-1], None)
+        key, value = (unknown[-1], None) if unknown else (keys[-1], given[0].strip())
+        # the component's path: "trainer.plugins", then each nested component's key
+        owners = keys[1:] if unknown else keys[1:-1]
+        where = keys[0] + "".join(f".init_args.{k}" for k in owners)
+        # the innermost component given (an unknown option's owner), then every class named
+        innermost = _CLASS_PATH.findall(given[0]) if unknown and given else []
         cls = next((c for c in map(_import_class, classes) if c is not None and key in
-                    inspect.signature(c).parameters), _import_class(classes[0]) if classes else None)
+                    inspect.signature(c).parameters),
+                   _import_class((innermost or classes)[0]) if classes else None)
         params = inspect.signature(cls).parameters if cls else {}
         if key in params:  # an option of the class: its value is wrong
-            literals = _literals(typing.get_type_hints(cls.__init__).get(key))
-            hint = f": expected one of {', '.join(literals)}" if literals else " is not valid"
-            return f"{keys[0]}.init_args.{key}={value!r}{hint}"
+            return f"{where}.init_args.{key}={value!r}: expected " + \
+                _expected(typing.get_type_hints(cls.__init__).get(key))
         owner = f" of {cls.__name__}" if cls else ""
         moved = moved_option(key) if cls is not None and "recipe" in params else None
-        return f"{keys[0]}: {key!r} is not an option{owner}" + (f" ({moved})" if moved else "")
+        return f"{where}: {key!r} is not an option{owner}" + (f" ({moved})" if moved else "")
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return "; ".join(lines[:3])
+
+
+def _expected(hint: Any) -> str:
+    """What an option's type hint allows, in a config's words."""
+    literals = _literals(hint)
+    if literals:
+        return "one of " + ", ".join(literals)
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    said = " or ".join(words.get(a, getattr(a, "__name__", str(a))) for a in args)
+    return said + (" (or null)" if type(None) in typing.get_args(hint) else "")
 
 
 def _literals(hint: Any) -> list[str]:

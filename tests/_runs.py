@@ -22,7 +22,7 @@ BYTES_VOCAB = 257
 
 
 def load_script(path: str):
-    """A script of the repository that is no package module (``scripts/multi_gpu_summary.py``),
+    """A script of the repository that is no package module (``scripts/memprobe.py``),
     imported from its file (``examples/`` is a package: ``from examples import own_model``)."""
     import importlib.util
 

@@ -106,6 +106,14 @@ FP8_FIELDS = [
     ("removed-interval", ["fit", "--config", "{tmp}/interval.yaml"], "'interval' is not an option of FP8Precision (removed in TransformerEngine 2.x"),
     ("reduce-amax-not-bool", fit(FP8 + "recipe", "{name: delayed, reduce_amax: maybe}"),
      "reduce_amax='maybe'; valid: true, false"),
+    # the converter's own options: the whole key path, and what is valid
+    ("converter-option-not-bool", fit(FP8 + "converter", "{class_path: fp8_lightning.Speedups, "
+                                      "init_args: {cuda_graphs: maybe}}"),
+     "trainer.plugins.init_args.converter.init_args.cuda_graphs='maybe': expected true or false "
+     "(or null)"),
+    ("converter-option-typo", fit(FP8 + "converter", "{class_path: fp8_lightning.Speedups, "
+                                  "init_args: {fuse_mlpp: true}}"),
+     "trainer.plugins.init_args.converter: 'fuse_mlpp' is not an option of Speedups"),
 ]
 CALLBACKS = [
     ("keep-last-negative", fit("--trainer.callbacks.keep_last", "-1"), "keep_last=-1"),
@@ -199,7 +207,7 @@ SHARDED = [
      "blocks_per_unit=0; valid: an integer >= 1"),
     ("fsdp-reshard-not-bool", fit("--config", "configs/fsdp.yaml", "--trainer.accelerator", "cpu",
                                   "--trainer.strategy.init_args.reshard_after_forward", "maybe"),
-     "reshard_after_forward='maybe' is not valid"),
+     "reshard_after_forward='maybe': expected true or false (or null)"),
     ("fsdp-param-dtype", fit("--config", "configs/fsdp.yaml", "--trainer.accelerator", "cpu",
                              "--trainer.strategy.init_args.param_dtype", "float16"),
      "param_dtype='float16'; valid: bfloat16, float32"),

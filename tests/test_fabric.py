@@ -120,6 +120,39 @@ def test_outputs_come_back_fp32_from_a_bf16_forward(monkeypatch):
     assert logits.dtype == torch.float32  # as Fabric's own bf16-mixed returns them
 
 
+def test_a_converter_under_fabric_is_told_each_forward_backward_and_step_end():
+    """Fabric's forwards do not say when a step starts: the plugin tells a converter each training
+    forward, each backward and, after each optimizer step, that the step ended (where
+    ``Speedups``' block graphs mark their replays spent)."""
+    from contextlib import contextmanager
+
+    from fp8_lightning.fp8.converter import ModelConverter
+
+    class Recorder(ModelConverter):  # a converter of a user's, as the plugin sees it
+        def __init__(self):
+            self.calls = []
+
+        def convert(self, model, *, engine, fp8, weights, swapped):
+            self.calls.append(("convert", fp8))
+
+        @contextmanager
+        def training_forward(self, step_start):
+            self.calls.append(("forward", step_start))
+            yield
+
+        def before_backward(self):
+            self.calls.append("backward")
+
+        def step_end(self):
+            self.calls.append("step_end")
+
+    recorder = Recorder()
+    fabric, plugin, model, optimizer, guard = set_up(FabricFP8Precision(converter=recorder))
+    assert recorder.calls == [("convert", plugin.fp8_active)]
+    train(fabric, model, optimizer, guard, 0, 2)
+    assert recorder.calls[1:] == [("forward", False), "backward", "step_end"] * 2
+
+
 def test_the_trainer_plugin_under_fabric_names_the_fabric_one():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision()])
     model = fabric.setup(GPT(TINY))
