@@ -162,10 +162,9 @@ def plan_model_graphs(cuda_graphs: Optional[bool], compile_blocks: Optional[bool
             ok, why = False, "no repeated blocks (an nn.ModuleList) found"
     if cuda_graphs is False or not ok:
         why = "cuda_graphs: false" if cuda_graphs is False else why
-        path = FastPath(False, "it compiles the blocks' captures, and there are none",
+        return FastPath(False, f"it compiles the blocks' captures, and there are none ({why})",
                         per_block=True, graphs=None,
                         graphs_why=f"cuda_graphs=true but {why}" if cuda_graphs else why)
-        return path
     if compile_blocks is not None:
         compile, compile_why = compile_blocks, f"compile_blocks: {str(compile_blocks).lower()}"
     elif world_size > 1:  # measured on one GPU

@@ -295,8 +295,8 @@ def graphs_status(device_type: str, world_size: int, callbacks: list[Any] = (),
     if sharded:  # FSDP2 gathers a block's weights into storage it frees and allocates again,
         # where a block's own replay would not see them: the whole step is one graph there
         if not whole_step:
-            return False, ("FSDP2's hooks run in Python, outside a block's replay (only the TE "
-                           "backend of this package's GPT captures the whole step)")
+            return False, ("FSDP2's hooks run in Python, outside a block's replay (only fit's "
+                           "capture of the whole step, for this package's GPT on TE, holds them)")
         if any(type(c).__name__ == "FaultInjection" for c in callbacks):
             return False, ("FaultInjection's hooks on the embedding run in Python, not in a "
                            "replay of the whole step")

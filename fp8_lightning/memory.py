@@ -167,9 +167,12 @@ def estimate_memory(config: GPTConfig, run: RunShape) -> MemoryEstimate:
                           gradients_held=run.accumulate_grad_batches > 1 or run.gradients_kept)
 
 
-def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) -> Optional[str]:
+def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1,
+                several_nodes: bool = False) -> Optional[str]:
     """None if the estimate fits in ``budget`` bytes, else the problem with the levers that
-    would make it fit (each checked with the estimate), for an ``error:`` line."""
+    would make it fit (each checked with the estimate), for an ``error:`` line.
+    ``several_nodes``: the run spans nodes or replicates (HSDP), where FSDP2Strategy's default
+    keeps a replica per node: sharding over more GPUs needs ``replicate: 1`` as well."""
     estimate = estimate_memory(config, run)
     if estimate.total <= budget:
         return None
@@ -188,10 +191,11 @@ def fit_problem(config: GPTConfig, run: RunShape, budget: float, gpus: int = 1) 
         return n if n <= 64 else None
 
     def fsdp(n: int) -> str:
-        if run.shards > 1 and n == gpus:  # HSDP: sharding over every GPU there is
-            return f"FSDP2 over all {n} GPUs, one replica (trainer.strategy.init_args.replicate: 1)"
+        one_replica = "trainer.strategy.init_args.replicate: 1"
+        if several_nodes and n == gpus:  # HSDP: sharding over every GPU there is
+            return f"FSDP2 over all {n} GPUs, one replica ({one_replica})"
         return (f"FSDP2 over {n} GPUs (--config configs/fsdp.yaml; trainer.devices x "
-                f"trainer.num_nodes = {n})")
+                f"trainer.num_nodes = {n}" + (f", {one_replica}" if several_nodes else "") + ")")
 
     full = replace(run, activation_checkpointing="full", activation_checkpointing_every=1)
     mlp = replace(run, activation_checkpointing="mlp", activation_checkpointing_every=1)

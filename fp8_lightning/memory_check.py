@@ -104,5 +104,6 @@ def check_memory(trainer: "L.Trainer", config: GPTConfig, run: RunShape, *, back
     rank_zero_info(f"memory: estimated {estimate_memory(config, run).describe()} of "
                    f"{budget / GIB:.1f} GiB on {torch.cuda.get_device_name(device)} "
                    "(fp8_lightning/memory.py)")
+    several_nodes = trainer.num_nodes > 1 or getattr(trainer.strategy, "replicas", 1) > 1
     return MemoryCheck(fits_one_gpu, step_graph_fits,
-                       fit_problem(config, run, budget, trainer.world_size))
+                       fit_problem(config, run, budget, trainer.world_size, several_nodes))

@@ -111,6 +111,8 @@ class Speedups(ModelConverter):
         if fp8:
             self._plan_wgrad(model, engine, weights, swapped)
             self._plan_graphs(model, engine, device_type)
+        else:  # BF16 (the fallback): no plan of FP8's graphs stands
+            self.path = None
 
     def _plan_attention(self, model: nn.Module, device_type: str) -> None:
         """cuDNN's attention first in the forwards of a model this package did not build."""
@@ -179,6 +181,7 @@ class Speedups(ModelConverter):
                 return
             self.graphs.remove()
             self.graphs = None
+        self.path = None
         if self._own_gpt(model):
             if self.cuda_graphs:
                 _info("CUDA graphs of the model's blocks: off (this package's GPT graphs its "

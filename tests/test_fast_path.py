@@ -73,7 +73,7 @@ def test_graphs_replay_where_they_were_measured_to_win(where, graphs):
 
 @pytest.mark.parametrize("wanted, where, reason", [
     (None, dict(device_type="cpu"), "CUDA graphs need a GPU"),
-    (None, dict(backend="torch", world_size=2, sharded=True), "only the TE backend of this package's GPT"),
+    (None, dict(backend="torch", world_size=2, sharded=True), "for this package's GPT on TE"),
     (None, dict(world_size=2, sharded=True, callbacks=[FP8Stats()]), "FP8Stats"),
     # what a capture of the whole step under FSDP2 cannot hold, or has no memory for
     (None, dict(world_size=2, sharded=True, activation_checkpointing="full"),

@@ -9,6 +9,7 @@ process, in the environment torchrun gives two nodes of two processes: the strat
 checkpoint and load paths are under test, not the CLI's start-up."""
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,9 +57,16 @@ def test_the_memory_estimate_divides_by_a_replica_groups_ranks():
     config = GPTConfig.from_name("llama3-8b")
     run = RunShape(1, 8192, fp8=True, shards=2, activation_checkpointing="full")
     budget = estimate_memory(config, run).total * 0.8
-    problem = fit_problem(config, run, budget, gpus=4)
+    problem = fit_problem(config, run, budget, gpus=4, several_nodes=True)
     assert "FSDP2 over all 4 GPUs, one replica (trainer.strategy.init_args.replicate: 1)" \
         in problem, problem
+    # more GPUs than there are: on several nodes they shard only with replicate: 1 too
+    small = estimate_memory(config, replace(run, shards=16)).total * 1.01
+    problem = fit_problem(config, replace(run, shards=4), small, gpus=4, several_nodes=True)
+    assert "FSDP2 over 16 GPUs (--config configs/fsdp.yaml; trainer.devices x trainer.num_nodes" \
+        " = 16, trainer.strategy.init_args.replicate: 1)" in problem, problem
+    # one node: replicate's default shards over every GPU already
+    assert "replicate" not in fit_problem(config, replace(run, shards=4), small, gpus=4)
 
 
 def _seen(record: dict, key: str):

@@ -21,7 +21,7 @@ def checked(monkeypatch, run, budget, **kwargs):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a test GPU")
     strategy = SimpleNamespace(root_device=torch.device("cpu"), reshard_after_forward=True)
-    trainer = SimpleNamespace(strategy=strategy, world_size=run.shards)
+    trainer = SimpleNamespace(strategy=strategy, world_size=run.shards, num_nodes=1)
     return check_memory(trainer, CONFIG, run, backend="te", step_graph=True, **kwargs)
 
 

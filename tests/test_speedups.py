@@ -57,6 +57,20 @@ def test_this_packages_gpt_keeps_its_own_fast_path(caplog):
     assert "this package's GPT fuses its MLPs and graphs its blocks itself" in caplog.text
     assert "model.cuda_graphs" in caplog.text
     assert speedups.graphs is None and speedups.wgrad is None and not speedups.cudnn_first
+    assert speedups.path is None  # no plan of its own for this package's GPT
+
+
+def test_the_plan_says_why_a_model_gets_no_block_graphs():
+    """The plan (fp8_lightning.fast_path.plan_model_graphs) is kept with its reasons; a BF16
+    set-up (the fallback) keeps none."""
+    speedups = Speedups()
+    model = nn.Sequential(nn.ModuleList([nn.Linear(16, 16) for _ in range(2)]))
+    speedups.convert(model, engine="torchao", fp8=True, weights="bf16-mixed", swapped=[])
+    assert speedups.path.graphs is None and speedups.graphs is None
+    assert speedups.path.graphs_why == "the torchao engine's modules are not captured; the TE " \
+        "engine's are"
+    speedups.convert(model, engine="torchao", fp8=False, weights="bf16-mixed", swapped=[])
+    assert speedups.path is None
 
 
 def test_without_a_gpu_pytorchs_attention_order_stays(monkeypatch):
