@@ -4,9 +4,11 @@ processes) and shared by the console, monitor, generate and bad-input tests (eac
 tens of seconds on a small CPU), likewise a prepare with two workers (the console and prepare
 tests); and the small vocabulary that fits which are not about the tokenizer train on."""
 
+import concurrent.futures
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,15 +231,23 @@ BATCH = 2  # sequences per rank and step: small, the point is the processes, not
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
 
 
-# The multi-node recipe of the README, on one node: torchrun starts the processes, Lightning takes
-# rank and world size from their environment.
-TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node")
+def torchrun_nodes(nodes: int, per_node: int) -> list[tuple[str, ...]]:
+    """The multi-node launch of docs/several-gpus.md on this host: one torchrun per node, each
+    starting ``per_node`` processes, meeting at a c10d rendezvous on a free local port (the first
+    to come hosts its store); Lightning takes rank and world size from their environment."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return [("-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node",
+             str(per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+             "--rdzv_id", f"fit{port}")] * nodes
 
 
-def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=None):
+def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, nodes=1, capsys=None):
     """A quickstart fit of ``devices`` CPU processes (``config``: the strategy's overlay) through
     the CLI on ``data`` (the ``small_vocab`` arguments); its output. Lightning starts the
-    processes, or with ``torchrun`` torchrun does (``--trainer.num_nodes 1`` as in the README).
+    processes, or with ``torchrun`` torchrun does, one launch per node of ``nodes``
+    (``--trainer.num_nodes`` and ``--trainer.devices`` per node, as in the docs' launch).
     Without ``config``, one process; with ``capsys`` this one (:func:`run_main`: no Python to
     start, for the runs where the process is not what is tested).
 
@@ -246,11 +256,12 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
     fit on a 2-core CPU more than its steps, and these fits are about the ranks, not the loader's
     processes (fits with workers: tests/callbacks/test_checkpoint.py's exact resume,
     tests/test_signals.py)."""
+    per_node = devices // nodes
     extra = ["--config", config, "--trainer.accelerator", "cpu", "--trainer.devices",
-             str(devices)] if config else []
-    launcher = (*TORCHRUN, str(devices)) if torchrun else ()
+             str(per_node)] if config else []
+    launchers = torchrun_nodes(nodes, per_node) if torchrun else [()]
     if torchrun:
-        extra += ["--trainer.num_nodes", "1"]
+        extra += ["--trainer.num_nodes", str(nodes)]
     argv = ["fit", "--config", "configs/quickstart.yaml", *extra, *data,
             "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
             "--trainer.log_every_n_steps", "3", "--trainer.default_root_dir", str(root),
@@ -261,9 +272,11 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, capsys=
         code, log = run_main_logged(capsys, argv)
         assert code == 0, log[-5000:]
         return log
-    result = run_cli(*argv, launcher=launcher)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+    with concurrent.futures.ThreadPoolExecutor(len(launchers)) as pool:  # the nodes at once
+        results = list(pool.map(lambda launcher: run_cli(*argv, launcher=launcher), launchers))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return "".join(result.stdout + result.stderr for result in results)
 
 
 def run_main_logged(capsys, argv):
@@ -316,7 +329,16 @@ def _at_root_with_log_lines():
 
 
 def rank_settings(root):
-    """What ``tests.helpers.StrategySettings`` wrote, one dict per rank."""
+    """What ``tests.helpers.StrategySettings`` wrote of the strategy, one dict per rank."""
+    return [{k: v for k, v in rank.items() if k != "layout"} for rank in _settings(root)]
+
+
+def rank_layouts(root):
+    """Where each rank ran (``tests.helpers.StrategySettings``' layout), in global rank order."""
+    return [rank["layout"] for rank in _settings(root)]
+
+
+def _settings(root):
     import json
 
     return [json.loads(p.read_text()) for p in sorted((root / "settings").glob("rank*.json"))]

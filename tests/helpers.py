@@ -219,7 +219,8 @@ class StepTimer(Callback):
 
 class StrategySettings(Callback):
     """Writes ``rank<N>.json`` into ``path`` at train start: what the strategy applied to the
-    model (DDP: the wrapper's bucket settings; FSDP2: each block's resharding and gather dtype)."""
+    model (DDP: the wrapper's bucket settings; FSDP2: each block's resharding and gather dtype)
+    and where the rank runs (``layout``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -243,6 +244,9 @@ class StrategySettings(Callback):
             states = [b._get_fsdp_state() for b in gpt.blocks]  # one per unit of blocks
             settings = {"strategy": "fsdp2", "blocks": [fsdp(b) for b in gpt.blocks],
                         "root": fsdp(gpt), "units": len({id(s) for s in states})}
+        # where the rank runs: its node, of how many (tests/_runs.py's rank_layouts)
+        settings["layout"] = {"node_rank": trainer.node_rank, "num_nodes": trainer.num_nodes,
+                              "local_rank": trainer.local_rank, "world_size": trainer.world_size}
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(settings, f)

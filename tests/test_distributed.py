@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from fp8_lightning.checkpoint_files import load_checkpoint_file
-from tests._runs import BATCH, ROOT, TOKENS_PER_STEP, fit_ranks, rank_settings, run_main
+from tests._runs import (BATCH, ROOT, TOKENS_PER_STEP, fit_ranks, rank_layouts, rank_settings,
+                         run_main)
 
 
 def digests(path):
@@ -33,7 +34,8 @@ def samples_per_step(path):
 def ddp_runs(tmp_path_factory, small_vocab):
     """Two DDP fits on two CPU processes, each process launch shared by several tests: a 6-step
     run that Lightning starts (a fault on rank 1 at step 2; every rank's batches logged), and its
-    resume to step 9 started by torchrun, the README's multi-node recipe on one node."""
+    resume to step 9 started as two nodes of one process on this host (a torchrun per node, a
+    c10d rendezvous: the multi-node launch of docs/several-gpus.md)."""
     root = tmp_path_factory.mktemp("ddp")
     first = fit_ranks(root, small_vocab, "--trainer.max_steps", "6",
                       "--trainer.callbacks+=fp8_lightning.FaultInjection",
@@ -49,7 +51,7 @@ def ddp_runs(tmp_path_factory, small_vocab):
                        "--trainer.callbacks.path", str(root / "digest2"),
                        "--trainer.callbacks+=tests.helpers.StrategySettings",
                        "--trainer.callbacks.path", str(root / "settings"),
-                       config="configs/ddp.yaml", torchrun=True)
+                       config="configs/ddp.yaml", torchrun=True, nodes=2)
     return root, first, second
 
 
@@ -83,12 +85,17 @@ def test_ddp_applies_the_overlays_bucket_settings_on_every_rank(ddp_runs):
                         "find_unused_parameters": False}
 
 
-def test_torchrun_launch_is_picked_up_by_lightning(ddp_runs):
-    """The multi-node recipe of the README, on one node (the fixture's resumed run): torchrun
-    starts the processes and Lightning takes rank and world size from its environment (it does
-    not spawn its own): two ranks, whose every step counts both."""
+def test_a_two_node_torchrun_launch_is_picked_up_by_lightning(ddp_runs):
+    """The multi-node launch of the docs as two nodes of one process on this host (the fixture's
+    resumed run): a torchrun per node starts its process, they meet at the c10d rendezvous, and
+    Lightning takes rank, node and world size from their environment (it spawns none of its
+    own): two ranks, one per node, whose every step counts both."""
     root, _, second = ddp_runs
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in second
+    layouts = rank_layouts(root)
+    assert sorted(layout["node_rank"] for layout in layouts) == [0, 1]
+    assert all(layout["num_nodes"] == 2 and layout["local_rank"] == 0 and
+               layout["world_size"] == 2 for layout in layouts)
     ckpt = load_checkpoint_file(root / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 9 and ckpt["tokens_seen"] == 9 * TOKENS_PER_STEP * 2
     assert len(digests(root / "digest2")) == 2  # two processes, not 2 x 2
