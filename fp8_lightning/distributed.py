@@ -44,7 +44,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import lightning as L
 import torch
@@ -58,6 +58,7 @@ from typing_extensions import override
 from .checkpoint_files import (load_checkpoint_file, publish_directory, safe_lightning_dcp_loads,
                          temporary_beside)
 from .fp8.plugin import fp8_plugin
+from .fp8.policy import find_blocks, find_gpt
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,24 @@ def is_sharded(strategy: Any) -> bool:
     return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
 
 
-def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
-                reshard_after_forward: bool = True, blocks_per_unit: int = 1) -> None:
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, FSDP2's units (:func:`~.fp8.policy.find_blocks`: this
+    package's GPT's ``blocks``, a Hugging Face Llama's ``model.layers``, nanoGPT's
+    ``transformer.h``); none where it has no ``nn.ModuleList`` of two or more."""
+    prefix, n = find_blocks(model)
+    return list(model.get_submodule(prefix)) if n else []
+
+
+def shard_model(model: nn.Module, mesh: Any, *, blocks: Optional[Sequence[nn.Module]] = None,
+                mp_policy: Any = None, reshard_after_forward: bool = True,
+                blocks_per_unit: int = 1) -> None:
     """FSDP2 per group of transformer blocks, then the root (embeddings, final norm, LM head).
 
     Args:
-        gpt: the :class:`~fp8_lightning.model.GPT`.
+        model: the root: the :class:`~fp8_lightning.model.GPT`, or a model of your own.
         mesh: the 1-D data-parallel device mesh (FSDP2), or a 2-D (replicate, shard) one
             (HSDP: :func:`fsdp2_mesh`).
+        blocks: the model's repeated blocks in forward order (default: :func:`repeated_blocks`).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (``None``: parameters in their own dtype).
         reshard_after_forward: free each unit's gathered weights after its forward (ZeRO-3). The
             last unit keeps them either way: backward needs them first (torchtitan does the same).
@@ -102,7 +113,7 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
     # FSDP2's warning about in-place ops on returned views does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
-    blocks = list(gpt.blocks)
+    blocks = repeated_blocks(model) if blocks is None else list(blocks)
     n = max(1, blocks_per_unit)
     units = [blocks[i:i + n] for i in range(0, len(blocks), n)]
     dtype = getattr(mp_policy, "param_dtype", None)
@@ -117,7 +128,7 @@ def shard_model(gpt: nn.Module, mesh: Any, *, mp_policy: Any = None,
             block.register_forward_pre_hook(functools.partial(_cast_floating_inputs, dtype),
                                             with_kwargs=True)
     # The root's parameters are needed again at the start of backward: keep them gathered.
-    fully_shard(gpt, reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
 def replica_problems(replicate: Any, world_size: Optional[int] = None) -> list[str]:
@@ -305,13 +316,14 @@ def reshards(reshard_after_forward: Optional[bool], fits_one_gpu: Optional[bool]
     return not fits_one_gpu if reshard_after_forward is None else reshard_after_forward
 
 
-def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
-                 blocks_per_unit: Optional[int], fits_one_gpu: Optional[bool]
-                 ) -> tuple[bool, int, str]:
-    """The FSDP2 layout of a GPT: (reshard after forward, blocks per unit, why), each setting
-    as given or, where None, chosen: weights kept gathered from forward to backward when the
-    run would fit one GPU unsharded (then they cost less than DDP's whole copy), blocks grouped
-    into units of about ``UNIT_PARAMS`` parameters."""
+def fsdp2_layout(model: nn.Module, reshard_after_forward: Optional[bool],
+                 blocks_per_unit: Optional[int], fits_one_gpu: Optional[bool],
+                 blocks: Optional[Sequence[nn.Module]] = None) -> tuple[bool, int, str]:
+    """The FSDP2 layout of a GPT or of a model of your own whose repeated blocks are ``blocks``
+    (default: :func:`repeated_blocks`): (reshard after forward, blocks per unit, why), each
+    setting as given or, where None, chosen: weights kept gathered from forward to backward when
+    the run would fit one GPU unsharded (then they cost less than DDP's whole copy), blocks
+    grouped into units of about ``UNIT_PARAMS`` parameters."""
     why = []
     if reshard_after_forward is None:
         reshard_after_forward = reshards(None, fits_one_gpu)
@@ -319,9 +331,10 @@ def fsdp2_layout(gpt: nn.Module, reshard_after_forward: Optional[bool],
                    if fits_one_gpu else "weights freed after each unit's forward: the run does not"
                    " fit one GPU unsharded" if fits_one_gpu is False else
                    "weights freed after each unit's forward: memory not estimated")
-    n = len(gpt.blocks)
+    blocks = repeated_blocks(model) if blocks is None else blocks
+    n = len(blocks)
     if blocks_per_unit is None:
-        block = sum(p.numel() for p in gpt.blocks[0].parameters()) if n else 1
+        block = sum(p.numel() for p in blocks[0].parameters()) if n else 1
         blocks_per_unit = max(1, min(n, round(UNIT_PARAMS / max(1, block))))
         why.append(f"~{UNIT_PARAMS / 1e6:.0f}M parameters a unit")
     units = -(-n // blocks_per_unit)
@@ -341,6 +354,32 @@ def ddp_hint(fits_one_gpu: Optional[bool]) -> Optional[str]:
             "weights at any step; docs/several-gpus.md says which of the two to try first")
 
 
+def fsdp2_units(module: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    """What FSDP2Strategy shards in a LightningModule: its ``model``, this package's GPT or a
+    model of your own (a Hugging Face ``LlamaForCausalLM``...), as the root, and that model's
+    repeated blocks as the units (:func:`repeated_blocks`). No units where ``configure_model``
+    called ``fully_shard`` itself (the parameters are DTensors): that layout stays. A model it
+    cannot shard: one error line, saying what to do."""
+    from torch.distributed.tensor import DTensor
+
+    from .config import ConfigError
+
+    model, name = find_gpt(module), type(module).__name__
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return model, []
+    blocks = repeated_blocks(model) if model is not module else []
+    yourself = ("call torch.distributed.fsdp.fully_shard in configure_model (on each of its "
+                "blocks, then on the model) and FSDP2Strategy leaves that layout as it is")
+    if model is module:
+        raise ConfigError([f"{name} has no `self.model` (an nn.Module) to shard: set it in "
+                           f"configure_model, or {yourself}"], "FSDP2Strategy")
+    if not blocks:
+        raise ConfigError([f"{name}.model ({type(model).__name__}) has no repeated blocks (an "
+                           f"nn.ModuleList of two or more) to shard as FSDP2 units: {yourself}"],
+                          "FSDP2Strategy")
+    return model, blocks
+
+
 def build_device(module: Any, device: torch.device) -> Optional[torch.device]:
     """Where FSDP2Strategy builds a GPT module before sharding it: on its GPU when the whole
     model's fp32 parameters take at most half of the memory free there (it stays whole until
@@ -357,7 +396,10 @@ def build_device(module: Any, device: torch.device) -> Optional[torch.device]:
 class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 data parallelism over every device: each block's parameters, gradients and optimizer
     state sharded across ranks (HSDP: across the ranks of each replica group), the model gathered
-    block by block in forward and backward.
+    block by block in forward and backward. The model is the LightningModule's ``self.model``:
+    this package's GPT or a model of your own, its repeated blocks the units
+    (:func:`fsdp2_units`; a TE recipe swaps the ``nn.Linear`` layers of a model of your own
+    before the sharding). A ``configure_model`` that calls ``fully_shard`` itself keeps its own layout.
 
     Args:
         reshard_after_forward: free each unit's gathered weights after its forward (less memory,
@@ -474,17 +516,26 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
+        from .model import GPT
+
         module = self.lightning_module
-        gpt = getattr(module, "model", None)
-        if gpt is None or not hasattr(gpt, "blocks"):
-            raise TypeError(f"{type(self).__name__} shards a GPTLightningModule's `model.blocks`; "
-                            f"{type(module).__name__} has none")
+        gpt, blocks = fsdp2_units(module)
+        if not blocks:  # the user's configure_model called fully_shard
+            rank_zero_info(f"FSDP2: {type(module).__name__} sharded its model in configure_model;"
+                           " left as it is")
+            super().setup(trainer)
+            return
         mp_policy = None
         plugin = fp8_plugin(trainer)
         weights = plugin.weights if plugin is not None else trainer.precision
         if self.param_dtype == "bfloat16":
             mp_policy = gather_policy(weights)
         gathered = []
+        if plugin is not None and plugin.engine.swaps_modules and not isinstance(gpt, GPT):
+            # FSDP2 gathers each parameter into the module that held it when sharded: a model of
+            # your own gets the engine's modules (TE's te.Linear for nn.Linear) before that
+            plugin.convert_before_sharding(module)
+            blocks = repeated_blocks(gpt)
         if plugin is not None and (self.float8_all_gather or (self.float8_all_gather is None
                                                               and plugin.gathers_float8)):
             gathered = plugin.float8_all_gather(gpt)  # before fully_shard, which must see them
@@ -492,13 +543,13 @@ class FSDP2Strategy(ModelParallelStrategy):
             log.warning("FSDP2Strategy.float8_all_gather: no FP8 plugin; weights gather in BF16")
         reshard, per_unit, how = fsdp2_layout(gpt, self.reshard_after_forward,
                                               self.blocks_per_unit,
-                                              getattr(module, "fits_one_gpu", None))
+                                              getattr(module, "fits_one_gpu", None), blocks)
         rank_zero_info(f"FSDP2: {describe_mesh(self.fsdp2_mesh)}")
         rank_zero_info(f"FSDP2: {how}")
         advice = ddp_hint(getattr(module, "fits_one_gpu", None))
         if advice:
             rank_zero_info(advice)
-        shard_model(gpt, self.fsdp2_mesh, mp_policy=mp_policy,
+        shard_model(gpt, self.fsdp2_mesh, blocks=blocks, mp_policy=mp_policy,
                     reshard_after_forward=reshard, blocks_per_unit=per_unit)
         # fully_shard replaced each parameter by its DTensor shard: the weights as they are now
         self._float8_weights = [getattr(module, name) for module, name in gathered]

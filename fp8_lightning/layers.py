@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -235,15 +235,15 @@ class LayerFactory:
                                            attn_mask_type="causal", qkv_format="bshd")
 
 
-def checkpoint(backend: str, function: Callable[..., torch.Tensor], *args: torch.Tensor
+def checkpoint(backend: str, function: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
                ) -> torch.Tensor:
-    """``function(*args)`` keeping only ``args`` for the backward, which recomputes the rest:
-    full activation checkpointing. On TE, ``te.checkpoint``: its recompute runs with the
-    forward's FP8 scales and does not update the amax history a second time. Non-reentrant
+    """``function(*args, **kwargs)`` keeping only its inputs for the backward, which recomputes
+    the rest: full activation checkpointing. On TE, ``te.checkpoint``: its recompute runs with
+    the forward's FP8 scales and does not update the amax history a second time. Non-reentrant
     (autograd's saved-tensor hooks): what FSDP2 and torch.compile support."""
     if backend == "te":
-        return te_module().checkpoint(function, *args, use_reentrant=False)
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        return te_module().checkpoint(function, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def residual_std(n_layer: int) -> float:

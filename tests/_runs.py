@@ -279,6 +279,38 @@ def fit_ranks(root, data, *args, devices=2, config=None, torchrun=False, nodes=1
     return "".join(result.stdout + result.stderr for result in results)
 
 
+def forked_ranks(rank, nprocs: int, root: Path, preload: tuple = ()) -> None:
+    """``rank(r, port, str(root))`` on ``nprocs`` CPU processes (gloo, their rendezvous on
+    ``port``), forked from one fresh process that has imported ``preload`` once: spawned ranks
+    would each cost seconds of imports on a small CPU, and a process that has run autograd, as a
+    test process has, cannot fork. A rank that fails or hangs fails the caller (its stack is in
+    the captured stderr)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = multiprocessing.get_context("spawn").Process(
+        target=_fork_ranks, args=(rank, nprocs, port, str(root), tuple(preload)))
+    launcher.start()
+    launcher.join(timeout=300)
+    if launcher.is_alive():
+        launcher.kill()
+    assert launcher.exitcode == 0, "a rank failed or hung: its stack is in the captured stderr"
+
+
+def _fork_ranks(rank, nprocs: int, port: int, root: str, preload: tuple) -> None:
+    """(In the fresh process of :func:`forked_ranks`.)"""
+    import importlib
+
+    import torch.multiprocessing as mp
+
+    for name in preload:
+        importlib.import_module(name)
+    mp.start_processes(rank, args=(port, root), nprocs=nprocs, start_method="fork")
+
+
 def run_main_logged(capsys, argv):
     """:func:`run_main` from the repository's root, with the log lines the process would print
     on stderr: (exit status, stdout + stderr + log lines)."""

@@ -2,8 +2,9 @@
 all-reduce between the replays) and under FSDP2 (its chosen layout) trains as one GPU reading the
 same samples, StepProfile splits the step under the real strategy, activation checkpointing
 under FSDP2 gives no checkpointing's gradients, HSDP (two replicas) trains as FSDP2, the Fabric
-example resumes under FSDP2, and a user's own model (examples/own_model.py) replays its blocks
-under DDP with cached FP8 weights.
+example resumes under FSDP2, a user's own model (examples/own_model.py) replays its blocks
+under DDP with cached FP8 weights, and a user's Hugging Face Llama (examples/hf_llama.py) trains
+FP8 under FSDP2Strategy, resumes and exports.
 
 `python -m pytest -m gpu tests/test_gpu_ddp.py -s` on a machine with two GPUs (they skip with
 fewer, or without CUDA/TE).
@@ -266,3 +267,65 @@ def test_a_users_model_under_ddp_replays_its_blocks_with_cached_fp8_weights_and_
                                            out)]
     print(f"\n[own model DDP 2 GPUs] final losses per rank {finals}")
     assert len(finals) == 2 and max(finals) < 6.0, out[-4000:]
+
+
+# examples/hf_llama.py's model: a Hugging Face Llama, hidden 1024, 4 decoder layers (random)
+HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8192,
+            "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+            "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@needs_te
+def test_a_users_hugging_face_llama_trains_fp8_under_fsdp2_resumes_and_exports(tmp_path):
+    """``examples/hf_llama.py --devices 2 --strategy fsdp --recipe delayed``: the memory check,
+    FSDP2Strategy sharding the Llama's decoder layers, every projection swapped for te.Linear
+    and verified FP8, finite falling losses; a second run resumes from the sharded checkpoint and
+    exports a directory ``transformers`` loads, which has learned. (CPU, gloo, the plugin's
+    fallback: tests/test_hf_fsdp2.py.)"""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    import transformers
+
+    from examples.hf_llama import learnable_tokens
+    from tests._runs import ROOT
+
+    (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
+
+    def run(*args):
+        result = subprocess.run(
+            [sys.executable, "examples/hf_llama.py", "--config_json", str(tmp_path / "config.json"),
+             "--devices", "2", "--strategy", "fsdp", "--recipe", "delayed", "--batch_size", "4",
+             "--seq_len", "512", "--lr", "1e-3", *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        (status, step, losses), = re.findall(r"precision: (.*); steps (\d+); losses: ([\d. ]+)",
+                                             out)
+        return out, status, int(step), [float(v) for v in losses.split()]
+
+    ckpt, hf = tmp_path / "last.ckpt", tmp_path / "hf"
+    out, status, step, losses = run("--steps", "30", "--ckpt", str(ckpt))
+    assert status == "FP8 delayed" and step == 30 and len(losses) == 30, out[-4000:]
+    assert "memory: estimated" in out and "FSDP2: 4 blocks in" in out, out[-4000:]
+    # q, k, v, o, gate, up and down of each of the 4 layers swapped for te.Linear and run FP8
+    assert "FP8 verified: 28 te modules ran FP8 in the first step" in out, out[-4000:]
+    start = sum(losses[:5]) / 5
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) / 5 < start - 0.5, losses
+    assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
+
+    out, status, step, resumed = run("--steps", "40", "--resume", str(ckpt), "--export", str(hf))
+    assert status == "FP8 delayed" and step == 40 and len(resumed) == 10, out[-4000:]
+    assert "Restored all states from the checkpoint" in out, out[-4000:]
+    assert all(math.isfinite(v) for v in resumed) and max(resumed) < start - 0.5  # went on
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    batch = learnable_tokens(HF_LLAMA["vocab_size"], 2, 128)
+    with torch.no_grad():
+        loss = float(model(batch, labels=batch).loss)
+    print(f"\n[HF Llama FSDP2 2 GPUs] losses {losses[0]:.3f} -> {losses[-1]:.3f}, resumed "
+          f"{resumed[0]:.3f} -> {resumed[-1]:.3f}; the export on the CPU {loss:.3f}")
+    assert model.config.num_hidden_layers == 4 and loss < start - 0.5

@@ -149,36 +149,15 @@ def hsdp_rank(rank: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def launch_ranks(port: int, root: str) -> None:
-    """In a fresh process: what a rank needs imported once, then :func:`hsdp_rank` forked four
-    times (a process that has run autograd, as a test process has, cannot fork)."""
-    import lightning.pytorch  # noqa: F401  (imported here once, for the four ranks)
-    import torch.multiprocessing as mp
-    import torchao.float8  # noqa: F401
-
-    import fp8_lightning.module  # noqa: F401
-
-    mp.start_processes(hsdp_rank, args=(port, root), nprocs=4, start_method="fork")
-
-
 @pytest.fixture(scope="module")
 def hsdp_ranks(tmp_path_factory):
     """:func:`hsdp_rank` on four ranks; each rank's record, and the run directory."""
-    import multiprocessing
-    import socket
+    from tests._runs import forked_ranks
 
     pytest.importorskip("torchao")
     root = tmp_path_factory.mktemp("hsdp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = multiprocessing.get_context("spawn").Process(target=launch_ranks,
-                                                            args=(port, str(root)))
-    launcher.start()
-    launcher.join(timeout=300)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, "a rank failed or hung: its stack is in the captured stderr"
+    forked_ranks(hsdp_rank, 4, root, preload=("lightning.pytorch", "torchao.float8",
+                                              "fp8_lightning.module"))
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], root
 
 

@@ -157,6 +157,15 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         # one node, 2 processes; its HSDP (a replica per node) in two nodes' torchrun environment
         ("tests/test_distributed.py::test_torchrun_launch_is_picked_up_by_lightning",
          "tests/test_hsdp.py::test_hsdp_splits_the_data_over_every_rank_of_both_nodes"),
+    # a user's Hugging Face Llama under FSDP2Strategy: two CPU ranks (gloo) here; FP8 on two GPUs
+    "python examples/hf_llama.py --devices 4 --strategy fsdp --preset llama3-8b --steps 20 "
+    "--ckpt runs/llama/last.ckpt --export runs/llama/hf": (
+        "tests/test_hf_fsdp2.py::test_the_examples_presets_are_llama_shapes_and_its_command_line_is_checked",
+        "tests/test_hf_fsdp2.py::test_the_llamas_decoder_layers_are_the_fsdp2_units",
+        "tests/test_hf_fsdp2.py::test_a_sharded_checkpoint_resumes_where_the_run_left_off",
+        "tests/test_hf_fsdp2.py::test_the_export_loads_in_transformers_with_the_checkpoints_weights",
+        "tests/test_gpu_ddp.py::test_a_users_hugging_face_llama_trains_fp8_under_fsdp2_resumes_and_exports",
+        GPU),
     "sbatch examples/slurm_fit.sbatch data/text-8k": (
         NO_CLUSTER, "tests/test_slurm_example.py::test_each_task_s_slurm_environment_gives_its_ranks_of_the_run"),
 }

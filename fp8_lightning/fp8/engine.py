@@ -21,6 +21,9 @@ class Engine:
 
     name = ""
     backend = ""  # the model backend whose layers this engine converts
+    # convert() replaces a model's modules (TE: te.Linear for nn.Linear), not only their
+    # forward: FSDP2 must shard the model after it (FSDP2 gathers into the modules it saw)
+    swaps_modules = False
 
     def available(self, recipe: str) -> tuple[bool, str]:
         """Can ``recipe`` run here: (yes/no, the device, or why not)."""

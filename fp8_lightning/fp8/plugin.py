@@ -179,6 +179,7 @@ class FP8PrecisionBase(FabricPrecision):
         self._verify_pending = False
         self._loaded_state: Optional[dict[str, Any]] = None  # loaded before set-up: applied there
         self._planned: Optional[tuple[nn.Module, dict[str, str]]] = None  # see _plan_bf16
+        self._converted_early: Optional[weakref.ref] = None  # see convert_before_sharding
         self.scaling_restored = 0  # TE modules whose delayed-scaling state came from a checkpoint
 
     # ----------------------------------------------------------------------------- status
@@ -284,8 +285,19 @@ class FP8PrecisionBase(FabricPrecision):
                                  f"off ({reason}); weights gather in BF16")
         return pairs
 
+    def convert_before_sharding(self, module: nn.Module) -> None:
+        """FSDP2Strategy, on a model of your own whose modules the engine replaces
+        (``Engine.swaps_modules``: TE's ``te.Linear`` for ``nn.Linear``): the conversion before
+        ``fully_shard``, which gathers each parameter into the module that held it then. The
+        strategy's own :meth:`convert_module` call after sharding leaves the module as it is."""
+        self.convert_module(module)
+        self._converted_early = weakref.ref(module)
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        early, self._converted_early = self._converted_early, None
+        if early is not None and early() is module:
+            return module  # converted before FSDP2 sharded it
         gpt = find_gpt(module)
         self._check_layers(gpt)
         self._model_ref = weakref.ref(gpt)

@@ -122,6 +122,7 @@ class TEEngine(Engine):
     ``te.autocast(enabled=False)`` region around their forward."""
 
     name, backend = "te", "te"
+    swaps_modules = True
 
     def __init__(self) -> None:
         self.recipe: Any = None
