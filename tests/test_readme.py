@@ -154,8 +154,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "python -m fp8_lightning consolidate runs/gpt2_fp8/checkpoints/last.ckpt runs/gpt2_fp8/gpt2-step5000.ckpt":
         ("tests/test_fsdp2.py::test_fsdp_checkpoint_consolidates_to_one_file_that_loads_and_resumes_on_one_process", GPU),
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint head-node:29500 -m fp8_lightning fit --config configs/gpt2_fp8.yaml --config configs/fsdp.yaml --trainer.num_nodes 2 --trainer.devices 8":
-        # one node, 2 processes; its HSDP (a replica per node) in two nodes' torchrun environment
-        ("tests/test_distributed.py::test_torchrun_launch_is_picked_up_by_lightning",
+        # two nodes of one CPU process on this host; HSDP (a replica per node) in two nodes of two
+        ("tests/test_distributed.py::test_a_two_node_torchrun_launch_is_picked_up_by_lightning",
          "tests/test_hsdp.py::test_hsdp_splits_the_data_over_every_rank_of_both_nodes"),
     # a user's Hugging Face Llama under FSDP2Strategy: two CPU ranks (gloo) here; FP8 on two GPUs
     "python examples/hf_llama.py --devices 4 --strategy fsdp --preset llama3-8b --steps 20 "
