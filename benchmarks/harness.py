@@ -248,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", type=comma_list(str), help="[plain:|fabric:]VARIANT,... "
                    "(fp8_lightning.measure.parse_variant's names)")
     p.add_argument("--strategies", type=comma_list(str),
-                   help="ddp[-bf16grad][-bN], fsdp[-keep|-reshard][-gN][-eager|-compiled]")
+                   help="ddp[-bf16grad][-bN], fsdp[-keep|-reshard][-gN][-rN][-eager|-compiled]")
     p.add_argument("--steps", type=int, help="training (bench: timed) steps of each run")
     p.add_argument("--plain-steps", type=int, help="table-8b's plain-script rows (default 60)")
     p.add_argument("--warmup", type=int, help="bench's untimed steps (default 5)")

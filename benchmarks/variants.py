@@ -126,11 +126,15 @@ def variant_overrides(name: str, config: str) -> list[str]:
     return args + plugin_overrides(plugin)
 
 
+FSDP_GRAMMAR = "fsdp[-keep|-reshard][-gN][-rN][-eager|-compiled]"
+
+
 def strategy_overrides(name: str, family: str) -> list[str]:
     """A strategy's overlay and overrides: ``ddp`` (configs/ddp.yaml), ``ddp-bf16grad`` (gradients
-    all-reduced in BF16), ``ddp-bN`` (N MB buckets), ``fsdp[-keep|-reshard][-gN][-eager|-compiled]``
-    (configs/fsdp.yaml, or the Llama configs' own FSDP2: weights kept after forward, resharded,
-    N blocks a unit, model.compile false / true)."""
+    all-reduced in BF16), ``ddp-bN`` (N MB buckets),
+    ``fsdp[-keep|-reshard][-gN][-rN][-eager|-compiled]`` (configs/fsdp.yaml, or the Llama configs'
+    own FSDP2: weights kept after forward, resharded, N blocks a unit, N replicas (HSDP),
+    model.compile false / true)."""
     parts = name.split("-")
     args: list[str] = []
     strategy = "--trainer.strategy.init_args"
@@ -148,7 +152,7 @@ def strategy_overrides(name: str, family: str) -> list[str]:
     if parts[0] != "fsdp":
         raise UsageError(f"strategy {name!r}; valid: " + ("ddp[-bf16grad][-bN], " if family ==
                                                           "gpt" else "")
-                         + "fsdp[-keep|-reshard][-gN][-eager|-compiled]")
+                         + FSDP_GRAMMAR)
     if family == "gpt":  # the Llama configs carry their FSDP2 strategy
         args = ["--config", "configs/fsdp.yaml"]
     for part in parts[1:]:
@@ -156,10 +160,12 @@ def strategy_overrides(name: str, family: str) -> list[str]:
             args += [f"{strategy}.reshard_after_forward", cli_value(part == "reshard")]
         elif part[:1] == "g" and part[1:].isdigit() and int(part[1:]) > 0:
             args += [f"{strategy}.blocks_per_unit", part[1:]]
+        elif part[:1] == "r" and part[1:].isdigit() and int(part[1:]) > 0:
+            args += [f"{strategy}.replicate", part[1:]]
         elif part in ("eager", "compiled"):
             args += ["--model.compile", cli_value(part == "compiled")]
         else:
-            raise UsageError(f"strategy {name!r}: fsdp[-keep|-reshard][-gN][-eager|-compiled]")
+            raise UsageError(f"strategy {name!r}: {FSDP_GRAMMAR}")
     return args
 
 

@@ -153,11 +153,11 @@ def test_every_harness_command_of_the_docs_plans(tmp_path):
 # resume and 8B runs' own settings
 CHECKED = {
     ("table-gpt2",): ["tp-gpt2-fp8-tensorwise-fsdp-2gpu", "tp-gpt2-torch-compile-ddp-2gpu"],
-    ("throughput-gpt-1.3b", "--strategies", "ddp-bf16grad-b50,fsdp-keep-g4-eager",
+    ("throughput-gpt-1.3b", "--strategies", "ddp-bf16grad-b50,fsdp-keep-g4-r2-eager",
      "--variants", "te-bf16-fp32res,fp8-delayed-fp8-attn-fp8-head-te-attn-nograph,"
      "fp8-tensorwise-alllayers-bf16res"): [
         "tp-gpt-1.3b-te-bf16-fp32res-ddp-bf16grad-b50-2gpu",
-        "tp-gpt-1.3b-fp8-delayed-fp8-attn-fp8-head-te-attn-nograph-fsdp-keep-g4-eager-2gpu",
+        "tp-gpt-1.3b-fp8-delayed-fp8-attn-fp8-head-te-attn-nograph-fsdp-keep-g4-r2-eager-2gpu",
         "tp-gpt-1.3b-fp8-tensorwise-alllayers-bf16res-1gpu"],
     ("loss-gpt2",): ["loss-1gpu", "loss-fsdp-4gpu", "loss-fsdp-4gpu-resumed"],
     ("table-8b", "eval-8b", "resume-8b", "--llama", "3b", "--layers", "2",
@@ -219,7 +219,8 @@ def test_options_a_job_does_not_take_leave_it_as_it_is():
     rows = [r for r in plan("table-gpt-1.3b-fsdp", "--gpus", "2").runs if r.gpus]
     assert len(rows) == 4 and all(r.gpus == 2 and "fsdp" in " ".join(r.argv) for r in rows)
     for argv in (["nojob"], ["resume-8b", "--resume-at", "19"], ["table-gpt2", "--sets", "a"],
-                 ["throughput-gpt2", "--strategies", "ddp-b0"]):
+                 ["throughput-gpt2", "--strategies", "ddp-b0"],
+                 ["throughput-gpt2", "--strategies", "fsdp-r0"]):
         with pytest.raises(variants.UsageError):
             plan(*argv)
 
