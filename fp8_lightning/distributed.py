@@ -58,6 +58,7 @@ from typing_extensions import override
 from .checkpoint_files import (load_checkpoint_file, publish_directory, safe_lightning_dcp_loads,
                          temporary_beside)
 from .fp8.plugin import fp8_plugin
+from .device_mesh import describe_mesh, fsdp2_mesh, replica_problems, replicas
 from .fp8.policy import find_blocks, find_gpt
 
 log = logging.getLogger(__name__)
@@ -129,61 +130,6 @@ def shard_model(model: nn.Module, mesh: Any, *, blocks: Optional[Sequence[nn.Mod
                                             with_kwargs=True)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-
-
-def replica_problems(replicate: Any, world_size: Optional[int] = None) -> list[str]:
-    """What is wrong with FSDP2Strategy's ``replicate`` (for a world of ``world_size`` ranks,
-    where known): one line each, with what is valid."""
-    if replicate is None:
-        return []
-    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
-        return [f"replicate={replicate!r}; valid: null (one replica per node), 1 (plain FSDP2) "
-                "or an integer >= 1 that divides the world size"]
-    if world_size is not None and world_size % replicate:
-        valid = ", ".join(str(n) for n in range(1, world_size + 1) if world_size % n == 0)
-        return [f"replicate={replicate} does not divide the world size {world_size} (devices x "
-                f"num_nodes); valid: {valid}"]
-    return []
-
-
-def replicas(replicate: Optional[int], num_nodes: int) -> int:
-    """HSDP's replica count: ``replicate`` as given, or (None) one per node, so that the
-    all-gathers stay within a node (1 on one node: plain FSDP2)."""
-    return max(1, num_nodes) if replicate is None else replicate
-
-
-def fsdp2_mesh(mesh: Any, replicate: int = 1) -> Any:
-    """The mesh ``fully_shard`` takes, from Lightning's (data_parallel, tensor_parallel) mesh
-    (``ModelParallelStrategy``'s, the Trainer's or Fabric's, tensor-parallel size 1): with one
-    replica its 1-D data-parallel mesh (FSDP2); with ``replicate`` > 1 a 2-D (replicate, shard)
-    mesh of the same ranks (HSDP), consecutive ranks (a node's, as launchers number them) in one
-    shard group. Lightning's mesh stays the data-parallel one: samplers split data over every
-    rank either way."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .config import ConfigError
-
-    data_parallel = mesh["data_parallel"]
-    world = data_parallel.size()
-    problems = replica_problems(replicate, world)
-    if mesh.size() != world:
-        problems.append(f"a tensor-parallel size of {mesh.size() // world}; valid: 1 "
-                        "(data_parallel_size = world size)")
-    if problems:
-        raise ConfigError(problems, "FSDP2 mesh")
-    if replicate == 1:
-        return data_parallel
-    return init_device_mesh(mesh.device_type, (replicate, world // replicate),
-                            mesh_dim_names=("replicate", "shard"))
-
-
-def describe_mesh(mesh: Any) -> str:
-    """The layout of a :func:`fsdp2_mesh`, for the log."""
-    if mesh.ndim == 1:
-        return f"one replica sharded over {mesh.size()} rank(s)"
-    replicate, shard = mesh.shape
-    return (f"HSDP, {replicate} replicas x {shard} shard{'s' if shard > 1 else ''} "
-            "(all-gathers within a replica group)")
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from fp8_lightning.config import ConfigError, GPTConfig
-from fp8_lightning.distributed import FSDP2Strategy, replica_problems, replicas
+from fp8_lightning.device_mesh import replica_problems, replicas
+from fp8_lightning.distributed import FSDP2Strategy
 
 CONFIG = GPTConfig(name="tiny", n_layer=2, vocab_size=512)  # 16-aligned for torchao's float8
 SAMPLES, BATCH = 32, 2  # the data: sample i starts with token i
