@@ -157,13 +157,26 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps, --batch_size must be >= 1 and --seq_len a positive multiple of 8")
     if args.devices != "auto" and not (args.devices.isdigit() and int(args.devices) > 0):
         parser.error(f"--devices must be a positive count or auto (got {args.devices!r})")
+    if args.resume and not Path(args.resume).exists():
+        parser.error(f"--resume {args.resume!r}: no such checkpoint (a file or a directory of "
+                     "shards that --ckpt wrote)")
+    args.config = PRESETS[args.preset]
+    if args.config_json:
+        try:
+            args.config = json.loads(Path(args.config_json).read_text())
+            transformers.LlamaConfig.from_dict(args.config)
+        except (OSError, ValueError, TypeError) as err:
+            parser.error(f"--config_json {args.config_json!r}: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''} (a Llama config.json)")
+        if not isinstance(args.config, dict):
+            parser.error(f"--config_json {args.config_json!r}: not a JSON object (a Llama "
+                         "config.json)")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = arguments(argv)
-    config = (json.loads(Path(args.config_json).read_text()) if args.config_json
-              else PRESETS[args.preset])
+    config = args.config
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     L.seed_everything(0)  # the same random weights on every rank
     module = LitLlama(config, lr=args.lr, activation_checkpointing=args.activation_checkpointing,

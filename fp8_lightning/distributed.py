@@ -466,9 +466,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         module = self.lightning_module
         gpt, blocks = fsdp2_units(module)
-        if not blocks:  # the user's configure_model called fully_shard
-            rank_zero_info(f"FSDP2: {type(module).__name__} sharded its model in configure_model;"
-                           " left as it is")
+        if not blocks:  # its parameters are DTensors: sharded by configure_model or a first fit
+            rank_zero_info(f"FSDP2: {type(module).__name__}'s model is sharded already (by its "
+                           "configure_model, or an earlier fit); left as it is")
             super().setup(trainer)
             return
         mp_policy = None

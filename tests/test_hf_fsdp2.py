@@ -9,6 +9,7 @@ runs in tests/test_fsdp2.py: the strategy takes the TE engine's path (the conver
 sharding), which falls back. The two ranks fork from one fresh process that has imported what
 they need, as tests/test_hsdp.py's four do."""
 
+import json
 import os
 from pathlib import Path
 
@@ -208,7 +209,7 @@ def test_fsdp2_units_are_the_models_blocks_or_one_line_saying_what_to_do(tmp_pat
         dist.destroy_process_group()
 
 
-def test_the_examples_presets_are_llama_shapes_and_its_command_line_is_checked(capsys):
+def test_the_examples_presets_are_llama_shapes_and_its_command_line_is_checked(capsys, tmp_path):
     """docs/fp8.md's command parses; ``--preset`` builds a Llama 3.2 3B's and a Llama 3 8B's
     shapes (on the meta device here); a bad value is one ``error:`` line, exit status 2."""
     from examples.hf_llama import PRESETS, arguments
@@ -225,8 +226,18 @@ def test_the_examples_presets_are_llama_shapes_and_its_command_line_is_checked(c
         sizes[name] = (round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
                        len(model.model.layers))
     assert sizes == {"llama3.2-3b": (3.21, 28), "llama3-8b": (8.03, 32)}
-    for argv in (["--seq_len", "12"], ["--devices", "0"], ["--preset", "llama3-70b"]):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_config()))
+    assert arguments(["--config_json", str(config)]).config == json.loads(config.read_text())
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for argv, says in ((["--seq_len", "12"], "--seq_len"), (["--devices", "0"], "--devices"),
+                       (["--preset", "llama3-70b"], "--preset"),
+                       (["--config_json", str(tmp_path / "nope.json")], "nope.json"),
+                       (["--config_json", str(tmp_path / "broken.json")], "broken.json"),
+                       (["--config_json", str(tmp_path / "list.json")], "list.json"),
+                       (["--resume", str(tmp_path / "none.ckpt")], "no such checkpoint")):
         with pytest.raises(SystemExit) as stop:
             arguments(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and ": error: " in err[-1]
+        assert stop.value.code == 2 and ": error: " in err[-1] and says in err[-1], err

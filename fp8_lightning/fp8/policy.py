@@ -28,17 +28,18 @@ def find_gpt(module: nn.Module) -> nn.Module:
 def find_blocks(model: nn.Module) -> tuple[str, int]:
     """The model's repeated transformer blocks: (their ``nn.ModuleList``'s name, how many).
 
-    This package's GPT has ``blocks``; another model's are its longest ``nn.ModuleList``
-    (nanoGPT's ``transformer.h``, Hugging Face Llama's ``model.layers``, torchtitan's
-    ``layers``); ("", 0) when it has none."""
+    This package's GPT has ``blocks``; another model's are the ``nn.ModuleList`` of two or more
+    that holds the most parameters (nanoGPT's ``transformer.h``, Hugging Face Llama's
+    ``model.layers``, torchtitan's ``layers``; not a block's list of experts, which can be the
+    longer one); ("", 0) when it has none."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         return "blocks", len(blocks)
-    lists = [(len(m), name) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) > 1]
+    lists = [(sum(p.numel() for p in m.parameters()), len(m), name)
+             for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
     if not lists:
         return "", 0
-    n, name = max(lists, key=lambda x: x[0])  # the first of the longest
+    _, n, name = max(lists, key=lambda x: x[:2])  # the first of the largest
     return name, n
 
 

@@ -73,6 +73,26 @@ def test_a_users_linears_run_float8_switch_back_and_keep_their_checkpoints():
     assert all(type(v) is torch.Tensor for v in state.values())
 
 
+
+def test_a_models_blocks_are_its_largest_list_not_a_blocks_experts():
+    """A mixture-of-experts block holds a longer list (its experts) than the model's list of
+    blocks: the blocks are the list with the most parameters (the layer policy's first and last
+    layers, FSDP2's units and the block graphs all follow it)."""
+    class MoEBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Linear(32, 32)
+            self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+
+    assert find_blocks(MoE()) == ("layers", 2)
+    assert find_blocks(nn.Linear(2, 2)) == ("", 0)
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_the_example_trains_under_the_plugin_and_says_what_ran(recipe):
     """On this CPU the plugin falls back (no FP8 GPU) and says why, on either engine; on an FP8
