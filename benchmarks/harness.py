@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from benchmarks.jobs import (BENCH_TIMEOUT, FIT_TIMEOUT, JOBS, PYTHON, TEXT, Plan, Run,
                              build_plan)
-from benchmarks.variants import ROOT, UsageError
+from benchmarks.variants import FSDP_GRAMMAR, ROOT, UsageError
 
 # NVLink multicast stays off: it can take shared GPUs out of service.
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -248,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", type=comma_list(str), help="[plain:|fabric:]VARIANT,... "
                    "(fp8_lightning.measure.parse_variant's names)")
     p.add_argument("--strategies", type=comma_list(str),
-                   help="ddp[-bf16grad][-bN], fsdp[-keep|-reshard][-gN][-rN][-eager|-compiled]")
+                   help=f"ddp[-bf16grad][-bN], {FSDP_GRAMMAR}")
     p.add_argument("--steps", type=int, help="training (bench: timed) steps of each run")
     p.add_argument("--plain-steps", type=int, help="table-8b's plain-script rows (default 60)")
     p.add_argument("--warmup", type=int, help="bench's untimed steps (default 5)")

@@ -59,7 +59,7 @@ from .checkpoint_files import (load_checkpoint_file, publish_directory, safe_lig
                          temporary_beside)
 from .fp8.plugin import fp8_plugin
 from .device_mesh import describe_mesh, fsdp2_mesh, replica_problems, replicas
-from .fp8.policy import find_blocks, find_gpt
+from .fp8.policy import find_gpt, repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,6 @@ def is_sharded(strategy: Any) -> bool:
     from lightning.pytorch.strategies import FSDPStrategy
 
     return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, FSDP2's units (:func:`~.fp8.policy.find_blocks`: this
-    package's GPT's ``blocks``, a Hugging Face Llama's ``model.layers``, nanoGPT's
-    ``transformer.h``); none where it has no ``nn.ModuleList`` of two or more."""
-    prefix, n = find_blocks(model)
-    return list(model.get_submodule(prefix)) if n else []
 
 
 def shard_model(model: nn.Module, mesh: Any, *, blocks: Optional[Sequence[nn.Module]] = None,
@@ -313,12 +305,12 @@ def fsdp2_units(module: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     model, name = find_gpt(module), type(module).__name__
     if any(isinstance(p, DTensor) for p in module.parameters()):
         return model, []
-    blocks = repeated_blocks(model) if model is not module else []
     yourself = ("call torch.distributed.fsdp.fully_shard in configure_model (on each of its "
                 "blocks, then on the model) and FSDP2Strategy leaves that layout as it is")
     if model is module:
         raise ConfigError([f"{name} has no `self.model` (an nn.Module) to shard: set it in "
                            f"configure_model, or {yourself}"], "FSDP2Strategy")
+    blocks = repeated_blocks(model)
     if not blocks:
         raise ConfigError([f"{name}.model ({type(model).__name__}) has no repeated blocks (an "
                            f"nn.ModuleList of two or more) to shard as FSDP2 units: {yourself}"],
@@ -414,23 +406,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Every device is one data-parallel rank (ModelParallelStrategy's "auto" would make the
         # devices of a node a tensor-parallel group).
         self._data_parallel_size = self.num_nodes * self.num_processes
-        self._check_replicate()
         super().setup_environment()
         self._fsdp2_mesh = fsdp2_mesh(self.device_mesh, self.replicas)
 
     @override
     def _configure_launcher(self) -> None:
-        # The Trainer's set-up has given the devices and nodes here, before any process starts:
-        # a replica count that does not fit them is one error in the launching process.
-        self._check_replicate()
-        super()._configure_launcher()
-
-    def _check_replicate(self) -> None:
+        # The Trainer's set-up has given the devices and nodes here, in every process (the
+        # launching one, before it starts any; each torchrun or srun rank): a replica count that
+        # does not fit them is one error there.
         from .config import ConfigError
 
         problems = replica_problems(self.replicate, self.num_nodes * self.num_processes)
         if problems:
             raise ConfigError(problems, "FSDP2Strategy")
+        super()._configure_launcher()
 
     @property
     def replicas(self) -> int:

@@ -19,7 +19,7 @@ from typing_extensions import override
 from .config import ConfigError
 from .fp8.attention import cudnn_first, cudnn_is_first, prefer_cudnn, settle_order
 from .fp8.converter import ModelConverter
-from .fp8.policy import find_blocks
+from .fp8.policy import repeated_blocks
 from .fp8.wgrad import FusedWgrad, fused_wgrad_blocker, weight_params
 from .fast_path import FastPath, plan_model_graphs
 from .graphs import world_size
@@ -187,17 +187,17 @@ class Speedups(ModelConverter):
                 _info("CUDA graphs of the model's blocks: off (this package's GPT graphs its "
                       "blocks itself: model.cuda_graphs)")
             return
-        name, n = find_blocks(model) if engine == "te" else ("", 0)
+        blocks = repeated_blocks(model) if engine == "te" else []
         self.path = plan_model_graphs(self.cuda_graphs, self.compile_blocks,
                                       device_type=device_type, engine=engine,
-                                      world_size=world_size(), blocks=n)
+                                      world_size=world_size(), blocks=len(blocks))
         if self.path.graphs is None:
             if self.cuda_graphs:  # asked for: say why not (unasked, the default stays quiet)
                 _info("CUDA graphs of the model's blocks: off (%s)", self.path.graphs_why)
             if self.compile_blocks and engine == "te":  # (engine_options said it for the others)
                 _info("compile_blocks: off (%s)", self.path.compile_why)
             return
-        self.graphs = ModelBlockGraphs(model.get_submodule(name), compile=self.path.compile)
+        self.graphs = ModelBlockGraphs(blocks, compile=self.path.compile)
 
     @override
     def context(self) -> Any:

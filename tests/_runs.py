@@ -231,13 +231,18 @@ BATCH = 2  # sequences per rank and step: small, the point is the processes, not
 TOKENS_PER_STEP = BATCH * 128  # x seq 128 per rank
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous of CPU processes."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
 def torchrun_nodes(nodes: int, per_node: int) -> list[tuple[str, ...]]:
     """The multi-node launch of docs/several-gpus.md on this host: one torchrun per node, each
     starting ``per_node`` processes, meeting at a c10d rendezvous on a free local port (the first
     to come hosts its store); Lightning takes rank and world size from their environment."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     return [("-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node",
              str(per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
              "--rdzv_id", f"fit{port}")] * nodes
@@ -286,11 +291,8 @@ def forked_ranks(rank, nprocs: int, root: Path, preload: tuple = ()) -> None:
     test process has, cannot fork. A rank that fails or hangs fails the caller (its stack is in
     the captured stderr)."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launcher = multiprocessing.get_context("spawn").Process(
         target=_fork_ranks, args=(rank, nprocs, port, str(root), tuple(preload)))
     launcher.start()

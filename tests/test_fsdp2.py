@@ -298,13 +298,12 @@ def run_two_ranks(tmp_path, modes, **kwargs) -> dict:
     per layout)."""
     import tempfile
     import functools
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests._runs import free_port
+
+    port = free_port()
     out = Path(tempfile.mkdtemp(dir=tmp_path)) / "grads.pt"
     mp.start_processes(functools.partial(sharded_grads, **kwargs), args=(port, str(out), modes),
                        nprocs=2, start_method="spawn")

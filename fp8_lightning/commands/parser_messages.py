@@ -91,6 +91,7 @@ def _literals(hint: Any) -> list[str]:
 
 
 def import_class(path: str) -> Optional[type]:
+    """The class a dotted path names, or None where it cannot be imported."""
     module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -15,6 +14,7 @@ from ..fp8 import FP8Precision, moved_option
 from ..fp8.policy import POLICY_FIELDS
 from ..fp8.recipes import split_recipe
 from ..measure import Variant
+from .parser_messages import import_class
 
 # --------------------------------------------------------------------------------- run config
 @dataclass
@@ -104,10 +104,8 @@ def build_component(value: Any) -> Any:
         value = {"class_path": value}
     if not (isinstance(value, dict) and "class_path" in value):
         return value
-    module, _, name = str(value["class_path"]).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
+    cls = import_class(str(value["class_path"]))
+    if cls is None:
         return value
     return cls(**{k: build_component(v) for k, v in (value.get("init_args") or {}).items()})
 

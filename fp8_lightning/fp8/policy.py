@@ -43,6 +43,13 @@ def find_blocks(model: nn.Module) -> tuple[str, int]:
     return name, n
 
 
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks :func:`find_blocks` names, in order (none where it finds none): FSDP2's units,
+    the modules ``Speedups`` captures as graphs."""
+    prefix, n = find_blocks(model)
+    return list(model.get_submodule(prefix)) if n else []
+
+
 def find_lm_head(model: nn.Module) -> Optional[str]:
     """The LM head's module name: ``lm_head`` at any depth (this package, nanoGPT, Hugging
     Face), else a top-level ``output`` (Meta's and torchtitan's Llama); None when neither."""
