@@ -12,13 +12,16 @@ import pytest
 from tests._runs import ROOT, load_script
 
 
-def stand_in_python(tmp_path, record, gpus="4", pause=""):
+def stand_in_python(tmp_path, record, gpus="4", pause="", two_pause=""):
     """A stand-in for python that the GPU scripts call: it answers ``device_count`` with
     ``gpus`` and appends ``record`` (shell words, e.g. ``$CUDA_VISIBLE_DEVICES|$*``) to
-    ``$CALLS`` for every other call, then sleeps ``pause`` seconds where given."""
+    ``$CALLS`` for every other call, then sleeps ``pause`` seconds where given (``two_pause``
+    for a two-GPU test: shorter, so that a pair is done while one-GPU files are left)."""
     fake = tmp_path / "python"
+    sleep = (f'; case "$*" in *test_gpu_ddp.py*) sleep {two_pause or pause};; *) sleep {pause};; '
+             "esac") if pause else ""
     fake.write_text(f'#!/bin/bash\ncase "$*" in *device_count*) echo "{gpus}"; exit 0;; esac\n'
-                    f'echo "{record}" >> "$CALLS"' + (f"; sleep {pause}" if pause else "") + "\n")
+                    f'echo "{record}" >> "$CALLS"' + sleep + "\n")
     fake.chmod(0o755)
     return fake
 
@@ -29,8 +32,10 @@ def test_gpu_tests_spread_the_suite_over_the_gpus_and_run_every_test_once(tmp_pa
     files (a pytest per file), as does a GPU without a pair; every GPU test file runs, the
     two-GPU file once per test function; past DEADLINE nothing starts and what is left is
     listed."""
-    # a pytest takes a moment, so that every GPU gets work
-    fake = stand_in_python(tmp_path, "$CUDA_VISIBLE_DEVICES|$*", gpus="$NG", pause="0.3")
+    # a pytest takes a moment, so that every GPU gets work (a two-GPU test a shorter one: with
+    # three GPUs the pair must be done while the unpaired GPU has files left)
+    fake = stand_in_python(tmp_path, "$CUDA_VISIBLE_DEVICES|$*", gpus="$NG", pause="0.3",
+                           two_pause="0.05")
     two = "tests/test_gpu_ddp.py"
     functions = re.findall(r"^def (test_\w+)", (ROOT / two).read_text(), re.M)
     files = sorted(p.relative_to(ROOT).as_posix()
