@@ -14,9 +14,10 @@ this package's GPT's and shards the decoder layers as its units (a layer each at
 layers grouped into units of about 200M parameters, as for the GPT), then the model (BF16
 gathers, fp32 gradient reduction). A TE recipe (``delayed``) swaps each projection's ``nn.Linear`` for a
 ``te.Linear`` holding the same parameters, before the sharding; the LM head stays BF16. The
-memory check runs before the model is built, the checkpoint is a directory of shards that
-resumes on any number of GPUs, and ``--export`` writes a directory that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+memory check runs before the model is built (``--no-memory_check`` skips it: it estimates this
+package's GPT of the same shape), the checkpoint is a directory of shards that resumes on any
+number of GPUs, a resumed run reads on from the batch where the checkpoint stopped, and
+``--export`` writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import transformers
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.data import DistributedSampler
 
 from fp8_lightning import FSDP2Strategy
 from fp8_lightning.config import ConfigError, GPTConfig
@@ -53,7 +55,7 @@ PRESETS = {name: hf_config_from(GPTConfig.from_name(name)) for name in ("llama3.
 class LitLlama(L.LightningModule):
     def __init__(self, config: dict[str, Any], lr: float = 3e-4,
                  activation_checkpointing: bool = True, batch_size: int = 1,
-                 seq_len: int = 2048) -> None:
+                 seq_len: int = 2048, memory_check: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.config = transformers.LlamaConfig.from_dict(config)
@@ -85,7 +87,7 @@ class LitLlama(L.LightningModule):
         """This package's memory check on the Llama's shapes (a GPU fit only): the estimate per
         GPU logged, a run that cannot fit stopped with the levers that would make it fit."""
         trainer = self._trainer
-        if not is_gpu_fit(trainer):
+        if not (self.hparams.memory_check and is_gpu_fit(trainer)):
             return
         try:
             config = gpt_config_from_hf(self.config.to_dict())
@@ -109,6 +111,19 @@ class LitLlama(L.LightningModule):
         self.losses.append(loss.detach())
         return loss
 
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The rows of ``max_steps`` steps; resumed, from the first row no step has read (a plain
+        DataLoader would start its epoch over). Each rank reads every world_size-th row, in
+        order: the sampler Lightning would add shuffles, and a resumed run's shuffle of fewer
+        rows is not the one it continues."""
+        trainer, batch, world = self.trainer, self.hparams.batch_size, self.trainer.world_size
+        first = trainer.global_step * batch * world  # the checkpoint's step
+        rows = learnable_tokens(self.config.vocab_size, trainer.max_steps * batch * world - first,
+                                self.hparams.seq_len, first=first)
+        sampler = DistributedSampler(rows, num_replicas=world, rank=trainer.global_rank,
+                                     shuffle=False)
+        return torch.utils.data.DataLoader(rows, batch_size=batch, sampler=sampler, drop_last=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
@@ -128,9 +143,11 @@ class LitLlama(L.LightningModule):
         self.trainer.strategy.barrier("hf_export")
 
 
-def learnable_tokens(vocab_size: int, samples: int, seq_len: int) -> torch.Tensor:
-    """``samples`` rows of ``seq_len + 1`` tokens, each the one before + 7 (as own_model.py)."""
-    starts = torch.randint(0, vocab_size, (samples, 1), generator=torch.Generator().manual_seed(0))
+def learnable_tokens(vocab_size: int, samples: int, seq_len: int, first: int = 0) -> torch.Tensor:
+    """Rows ``first`` to ``first + samples`` of ``seq_len + 1`` tokens, each the one before + 7
+    (as own_model.py); a row's first token is a hash of its index, so any stretch of rows is
+    the same wherever it starts."""
+    starts = (torch.arange(first, first + samples).unsqueeze(1) * 2654435761) % vocab_size
     return (starts + 7 * torch.arange(seq_len + 1)) % vocab_size
 
 
@@ -149,6 +166,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--activation_checkpointing", action=argparse.BooleanOptionalAction,
                         default=True, help="recompute each decoder layer in the backward")
+    parser.add_argument("--memory_check", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop before training where the estimate per GPU does not fit")
     parser.add_argument("--ckpt", help="write the (sharded) checkpoint here after training")
     parser.add_argument("--resume", help="resume from this checkpoint")
     parser.add_argument("--export", help="write the trained model here, a Hugging Face directory")
@@ -180,17 +199,15 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     L.seed_everything(0)  # the same random weights on every rank
     module = LitLlama(config, lr=args.lr, activation_checkpointing=args.activation_checkpointing,
-                      batch_size=args.batch_size, seq_len=args.seq_len)
-    data = learnable_tokens(module.config.vocab_size, 8 * args.batch_size * args.steps,
-                            args.seq_len)
+                      batch_size=args.batch_size, seq_len=args.seq_len,
+                      memory_check=args.memory_check)
     plugin = FP8Precision(recipe=args.recipe)
     trainer = L.Trainer(max_steps=args.steps, plugins=[plugin], logger=False,
                         strategy=FSDP2Strategy() if args.strategy == "fsdp" else "ddp",
                         devices=args.devices if args.devices == "auto" else int(args.devices),
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, drop_last=True)
-    trainer.fit(module, loader, ckpt_path=args.resume)
+    trainer.fit(module, ckpt_path=args.resume)
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
     if args.export:

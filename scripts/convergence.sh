@@ -4,6 +4,8 @@
 # site-packages). With 4 GPUs each run has its own; with fewer the runs share them (convergence is
 # compared, not speed). SEEDS runs each recipe once per seed (all runs at once).
 # Usage: OUT=conv_out STEPS=2000 SEEDS="1337 1 2" scripts/convergence.sh
+# RUN_TIMEOUT=SECONDS stops each run after that long (its logged validations are kept);
+# VAL_EVERY=STEPS validates every STEPS steps (default 250).
 # Outputs: $OUT/<run>-s<seed>.log (console), $OUT/tb-<run>-s<seed>/ (TensorBoard events), per seed
 # $OUT/convergence-s<seed>.png and the table of `python -m fp8_lightning compare`, then
 # scripts/convergence_summary.py's mean and spread of each recipe's final val loss over the seeds.
@@ -17,7 +19,7 @@ PYTHON=${PYTHON:-python}
 mkdir -p "$OUT"
 NGPU=$($PYTHON -c "import torch; print(max(1, torch.cuda.device_count()))")
 common=(--data.data_dir "$DATA" --data.batch_size 8 --data.num_workers 2
-        --trainer.max_steps "$STEPS" --trainer.val_check_interval 250 --trainer.limit_val_batches 40
+        --trainer.max_steps "$STEPS" --trainer.val_check_interval "${VAL_EVERY:-250}" --trainer.limit_val_batches 40
         --trainer.log_every_n_steps 25 --trainer.enable_progress_bar false --model.warmup_steps 100
         --trainer.callbacks.init_args.every_n_train_steps 1000000)  # the configs' last callback,
         # Checkpoint: no periodic saves (1.5 GB each at 124M; a dozen runs would fill the disk)
@@ -27,17 +29,22 @@ fp8() {  # fp8 RECIPE: the gpt2_fp8 config with only the recipe changed (its def
 run() {  # run GPU NAME CONFIG ARGS...
     local gpu=$(($1 % NGPU)) name=$2 cfg=$3
     shift 3
-    CUDA_VISIBLE_DEVICES=$gpu $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${RUN_TIMEOUT:-0}" $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }
 RECIPES=${RECIPES:-"bf16 fp8-delayed fp8-current fp8-block"}  # also: fp8-tensorwise fp8-rowwise
-# (torchao), fp8-delayed-fp32res (the residual stream in float32, as the torch baseline)
+# (torchao), fp8-delayed-fp32res (the residual stream in float32, as the torch baseline),
+# fp8-delayed-h16 (amax history 16 instead of 1024), fp8-delayed-recent (the last step's amax only)
 recipe_args() {  # recipe_args NAME: config and overrides of one recipe
     case $1 in
         bf16)           echo configs/gpt2_bf16.yaml ;;
         fp8-delayed)    echo configs/gpt2_fp8.yaml ;;
         fp8-delayed-fp32res) echo configs/gpt2_fp8.yaml --model.config.fp32_residual true ;;
+        # JSON without spaces: recipe_args' output is split on whitespace
+        fp8-delayed-h16) echo configs/gpt2_fp8.yaml $(fp8 '{"name":"delayed","amax_history_len":16}') ;;
+        fp8-delayed-recent) echo configs/gpt2_fp8.yaml \
+            $(fp8 '{"name":"delayed","amax_history_len":1,"amax_compute_algo":"most_recent"}') ;;
         fp8-tensorwise|fp8-rowwise) echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") --model.attention sdpa ;;
         fp8-*)          echo configs/gpt2_fp8.yaml $(fp8 "${1#fp8-}") ;;
     esac

@@ -1,7 +1,10 @@
-"""GPU: a Hugging Face GPT-2 converted in fine-tunes under FP8 on TE, and goes back out.
+"""GPU: a Hugging Face GPT-2 converted in fine-tunes under FP8 on TE, and goes back out; a
+user's Hugging Face Llama under FSDP2 fits FP8 twice in one process.
 
 `python -m pytest -m gpu tests/test_gpu_hf.py -s` on the GPU machine (skips without CUDA/TE).
 """
+
+import math
 
 import lightning as L
 import pytest
@@ -52,3 +55,36 @@ def test_converted_gpt2_fine_tunes_under_fp8_and_converts_back(tmp_path):
     assert tuned_loss < hf_loss - 1.0  # it learned, in FP8, and the weights came back out
     config, state = load_hf(out)
     assert config.n_layer == 4 and state["wte.weight"].shape[0] == config.padded_vocab_size
+
+
+def test_a_users_llama_under_fsdp2_fits_fp8_again_in_the_same_process(tmp_path):
+    """``examples/hf_llama.py``'s module under FSDP2Strategy on one GPU, fitted twice (a
+    notebook's second cell): the first fit swaps each projection for a te.Linear before it
+    shards the layers; the second finds them swapped and sharded, and runs FP8 again on the
+    same 14 te.Linear (the sharded LM head stays BF16), not the fallback."""
+    from examples.hf_llama import LitLlama
+    from fp8_lightning import FSDP2Strategy
+
+    config = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 512,
+              "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "max_position_embeddings": 512,
+              "tie_word_embeddings": False}
+    from fp8_lightning.distributed import full_tensor
+
+    torch.manual_seed(0)
+    module = LitLlama(config, lr=1e-3, batch_size=4, seq_len=256)
+    weights = []  # a swapped projection's weight after each fit
+    for steps in (6, 12):
+        plugin = FP8Precision(recipe="delayed", on_unavailable="error")
+        trainer = L.Trainer(max_steps=steps, strategy=FSDP2Strategy(), accelerator="gpu",
+                            devices=1, plugins=[plugin], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+        trainer.fit(module)
+        assert plugin.status == "FP8 delayed", plugin.history
+        assert len(plugin.engine.modules_ran(plugin.model)) == 2 * 7
+        q_proj = module.model.model.layers[0]._checkpoint_wrapped_module.self_attn.q_proj
+        weights.append(full_tensor(q_proj.weight.detach()).clone())
+    losses = [float(v) for v in module.losses]
+    assert len(losses) == 18 and all(math.isfinite(v) for v in losses)
+    assert not torch.equal(*weights)  # the second fit trained the swapped layers

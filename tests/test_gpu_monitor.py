@@ -167,3 +167,24 @@ def test_fp8_stats_with_current_scaling(tmp_path, blocks):
     assert "fp8_underflows_pct/blocks.0.mlp.fc1.activation" in values, sorted(values)[:20]
     assert not any(t.startswith(("fp8_overflows_pct/", AMAX + "/")) for t in values)
     assert stats.logged_steps == [10, 20]
+
+
+def test_a_fit_that_fails_turns_fp8_stats_debug_off_for_the_next(tmp_path, blocks):
+    """A fit that raises skips teardown: FP8Stats ends TE's debug API in on_exception, so the
+    next fit of the process (a notebook's) is back on the CUDA graphs."""
+    import nvdlfw_inspect.api as debug_api
+
+    from fp8_lightning.graphs import te_debug_on
+
+    class Fail(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 12:
+                raise RuntimeError("a fault in the middle of the run")
+
+    stats = FP8Stats(every_n_steps=5)
+    with pytest.raises(RuntimeError, match="a fault in the middle"):
+        fit(tmp_path, blocks, 20, [stats, Fail()])
+    assert stats.logged_steps == [5, 10]  # it ran, debug on
+    assert debug_api.DEBUG_MANAGER is None and not te_debug_on() and not stats.debug_active
+    trainer = fit(tmp_path / "next", blocks, 3, [])
+    assert trainer.lightning_module.fast_path.graphs == "blocks", trainer.lightning_module.fast_path

@@ -73,7 +73,7 @@ def hf_rank(rank: int, port: int, root: str) -> None:
     import lightning as L
     import torch.distributed as dist
 
-    from examples.hf_llama import LitLlama, learnable_tokens
+    from examples.hf_llama import LitLlama
     from fp8_lightning import FSDP2Strategy
     from fp8_lightning.fp8 import FP8Precision
 
@@ -83,10 +83,6 @@ def hf_rank(rank: int, port: int, root: str) -> None:
                       TORCHELASTIC_RUN_ID="hf-fsdp2-test")
     record, root = {}, Path(root)
     config = tiny_config()
-    # one batch, again and again: a resumed fit reads the batches of the fit it continues
-    data = learnable_tokens(config["vocab_size"], 1, T).repeat(4 * BATCH, 1)
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
-
     def fit(key, ckpt=None, save=None):
         torch.manual_seed(0)
         module = LitLlama(config, lr=1e-2, batch_size=BATCH, seq_len=T)
@@ -97,7 +93,7 @@ def hf_rank(rank: int, port: int, root: str) -> None:
                             enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, gradient_clip_val=1.0,
                             callbacks=[_seen(record, key, save)], default_root_dir=root)
-        trainer.fit(module, loader, ckpt_path=ckpt)
+        trainer.fit(module, ckpt_path=ckpt)  # the module's own rows: a resumed fit reads on
         record[key]["losses"] = [float(loss) for loss in module.losses]
         return module, trainer
 
@@ -108,6 +104,99 @@ def hf_rank(rank: int, port: int, root: str) -> None:
     torch.save(record, root / f"rank{rank}.pt")
     dist.barrier()  # both ranks past their last collective before gloo's threads go
     dist.destroy_process_group()
+
+
+class Swapped(nn.Linear):
+    """:class:`SwapEngine`'s FP8 layer: records whether its weight was gathered when it ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.saw = type(self.weight).__name__  # "DTensor": FSDP2 gathered into another module
+        return super().forward(x)
+
+
+class SwapEngine:
+    """A CPU stand-in for TE's engine (whose te.Linear needs a GPU): it swaps each ``nn.Linear``
+    the policy runs FP8 for a module of another class holding the same parameters, as TE's does,
+    so the test sees where FSDP2Strategy converts a model whose modules the engine replaces."""
+
+    name, backend, swaps_modules = "te", "te", True
+
+    def __new__(cls):
+        from fp8_lightning.fp8.engine import Engine
+
+        class Stub(Engine):
+            name, backend, swaps_modules = cls.name, cls.backend, cls.swaps_modules
+
+            def available(self, recipe):
+                return True, "a CPU stand-in for TE's module swap"
+
+            def gemm_modules(self, model):
+                return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+            def convert(self, model, config, bf16_modules, fuse_mlp=False):
+                from fp8_lightning.fp8.policy import runs_bf16
+
+                for name, old in self.gemm_modules(model).items():
+                    if type(old) is nn.Linear and not runs_bf16(name, bf16_modules):
+                        new = Swapped(old.in_features, old.out_features, bias=old.bias is not None,
+                                      device="meta")
+                        new.weight, new.bias = old.weight, old.bias
+                        parent, _, attr = name.rpartition(".")
+                        setattr(model.get_submodule(parent), attr, new)
+                return []
+
+            def modules_ran(self, model):
+                return [n for n, m in model.named_modules() if getattr(m, "saw", None)]
+
+        return Stub()
+
+
+def swap_rank(rank: int, port: int, root: str) -> None:
+    """One of two ranks: the example's Llama under FSDP2Strategy and FP8Precision, TE's engine
+    replaced by :class:`SwapEngine`; what each FP8 layer saw of its weight into ``swap<N>.pt``."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from examples.hf_llama import LitLlama
+    from fp8_lightning import FSDP2Strategy
+    from fp8_lightning.fp8 import FP8Precision, engine_registry
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                      TORCHELASTIC_RUN_ID="hf-swap-test")
+    engine_registry.ENGINE_CLASSES["te"] = SwapEngine
+    torch.manual_seed(0)
+    module = LitLlama(tiny_config(), lr=1e-2, batch_size=BATCH, seq_len=T)
+    plugin = FP8Precision(recipe="delayed")
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, plugins=[plugin],
+                        strategy=FSDP2Strategy(process_group_backend="gloo"), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=root)
+    trainer.fit(module)
+    swapped = {n: m for n, m in module.model.named_modules() if isinstance(m, Swapped)}
+    torch.save({"status": plugin.status, "saw": {n: m.saw for n, m in swapped.items()},
+                "sharded": all(isinstance(m.weight, DTensor) for m in swapped.values()),
+                "head": type(module.model.lm_head).__name__},
+               Path(root) / f"swap{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_model_whose_modules_fp8_replaces_is_converted_before_fsdp2_shards_it(tmp_path):
+    """FSDP2 gathers each weight into the module that held it at ``fully_shard``: the layers FP8
+    swaps in (TE's te.Linear; here a CPU stand-in) must be there before the sharding, and then
+    run on gathered weights. Swapped after, they would see their DTensor shards."""
+    from tests._runs import forked_ranks
+
+    forked_ranks(swap_rank, 2, tmp_path, preload=("lightning.pytorch", "examples.hf_llama"))
+    for rank in range(2):
+        record = torch.load(tmp_path / f"swap{rank}.pt")
+        assert record["status"] == "FP8 delayed"
+        # q, k, v, o, gate, up, down of both layers; the LM head kept BF16 by the policy
+        assert len(record["saw"]) == 2 * 7 and record["head"] == "Linear"
+        assert set(record["saw"].values()) == {"Parameter"} and record["sharded"], record
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +223,8 @@ def test_the_llamas_decoder_layers_are_the_fsdp2_units(hf_ranks):
 
 def test_a_sharded_checkpoint_resumes_where_the_run_left_off(hf_ranks):
     """The fit resumed from the step-2 checkpoint (a directory of shards) starts from that step's
-    weights and optimizer state: its losses are those of the fit that went on, exactly."""
+    weights and optimizer state, and reads on from the rows step 3 read (every step reads
+    other rows): its losses are those of the fit that went on, exactly."""
     records, root = hf_ranks
     assert sorted(p.name for p in (root / "step2.ckpt").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
@@ -145,7 +235,8 @@ def test_a_sharded_checkpoint_resumes_where_the_run_left_off(hf_ranks):
         saved = first["weights"][SAVE_AT]
         assert all(torch.equal(resumed["weights"][SAVE_AT][n], w) for n, w in saved.items())
         assert resumed["losses"] == first["losses"][SAVE_AT:]
-    assert records[0]["resumed"]["losses"] == records[1]["resumed"]["losses"]
+    # each rank reads its own rows (the losses of a batch both ranks read would be equal)
+    assert records[0]["first"]["losses"][0] != records[1]["first"]["losses"][0]
 
 
 def test_the_export_loads_in_transformers_with_the_checkpoints_weights(hf_ranks):
@@ -218,7 +309,8 @@ def test_the_examples_presets_are_llama_shapes_and_its_command_line_is_checked(c
                      "runs/llama/last.ckpt --export runs/llama/hf".split())
     assert (args.devices, args.strategy, args.preset, args.recipe) == ("4", "fsdp", "llama3-8b",
                                                                       "delayed")
-    assert args.activation_checkpointing and args.export == "runs/llama/hf"
+    assert args.activation_checkpointing and args.export == "runs/llama/hf" and args.memory_check
+    assert not arguments(["--no-memory_check"]).memory_check
     sizes = {}
     for name, config in PRESETS.items():
         with torch.device("meta"):

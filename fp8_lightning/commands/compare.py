@@ -14,7 +14,9 @@ table and writes one PNG:
 * **the seed band**: given several runs of the baseline (BF16 runs with different seeds), their
   range of final losses is the band a run must sit in to train "the same"; each other run gets one
   ``verdict:`` line (inside, above or below the band, and its gap to the band's mean). The
-  baseline is every run logged as plain BF16, or the first ``--baseline K`` runs.
+  baseline is every run logged as plain BF16, or the first ``--baseline K`` runs. Runs whose last
+  validations are at different steps (one stopped early) are judged, and their val gap read, at
+  the last validation step they all have, and a note says so.
 * The PNG: loss vs tokens seen (millions) with validation points marked and the band shaded, the
   difference of every run's loss to the first run's (with a band: to the band's mean; so identical
   runs show as a flat line, not as one curve hiding another), the last part of the loss enlarged,
@@ -220,6 +222,34 @@ def _last(run: Run, tag: str) -> Optional[float]:
     return values[-1][1] if values else None
 
 
+def shared_val_step(runs: list[Run]) -> Optional[int]:
+    """The last step at which every run logged a validation loss (None: some run has none in
+    common): runs stopped at different steps are compared there, not at their own ends."""
+    steps = [{step for step, _ in run.series(VAL_LOSS)} for run in runs]
+    common = set.intersection(*steps) if steps else set()
+    return max(common) if common else None
+
+
+def val_at(run: Run, step: Optional[int]) -> Optional[float]:
+    """``run``'s validation loss at ``step`` (None: its last)."""
+    values = run.series(VAL_LOSS)
+    if step is None:
+        return values[-1][1] if values else None
+    return next((v for s, v in reversed(values) if s == step), None)
+
+
+def ends_apart(runs: list[Run]) -> Optional[str]:
+    """A note where the runs' last validations are at different steps, else None."""
+    ends = {run.label: run.series(VAL_LOSS)[-1][0] for run in runs if run.series(VAL_LOSS)}
+    if len(set(ends.values())) < 2:
+        return None
+    step = shared_val_step(runs)
+    read = (f"the val gap and verdicts read step {step}, the last validation every run has"
+            if step is not None else "they share no validation step: the val gap is not computed")
+    return (f"note: the runs' last validations are at different steps ("
+            + ", ".join(f"{label}: {end}" for label, end in ends.items()) + f"); {read}")
+
+
 def final_loss(run: Run) -> Optional[float]:
     """The console's final loss: the last line's mean over its window (``train/loss_mean``)."""
     return _last(run, run.loss_tag)
@@ -229,7 +259,8 @@ def summary(runs: list[Run]) -> list[dict[str, object]]:
     """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
     base = throughput(runs[0]) if runs else None
-    base_val = _last(runs[0], VAL_LOSS) if runs else None
+    at = shared_val_step(runs) if ends_apart(runs) else None  # runs that stopped apart
+    base_val = val_at(runs[0], at) if runs and (at is not None or not ends_apart(runs)) else None
     for run in runs:
         loss = [v for _, v in run.series(run.loss_tag)]
         tps = throughput(run)
@@ -239,7 +270,7 @@ def summary(runs: list[Run]) -> list[dict[str, object]]:
             "run": run.label, "precision": run.precision,
             "final loss": final_loss(run), "min loss": min(loss) if loss else None,
             "final val loss": final_val,
-            "val gap": (final_val / base_val - 1) if final_val and base_val else None,
+            "val gap": (val_at(run, at) / base_val - 1) if final_val and base_val else None,
             "tok/s": tps.median if tps else None, "speedup": ratio, "noise": noise,
         })
     return rows
@@ -305,9 +336,10 @@ class Band:
     runs: list[Run]
     name: str  # "BF16", or "the baseline" for runs picked by --baseline
     metric: str  # "final val loss" where every run has one, else the console's "final loss"
+    step: Optional[int] = None  # runs that stopped apart: the validation step they share
 
     def final(self, run: Run) -> Optional[float]:
-        return _last(run, VAL_LOSS) if self.metric == "final val loss" else final_loss(run)
+        return final_loss(run) if self.metric == "final loss" else val_at(run, self.step)
 
     @property
     def values(self) -> list[float]:
@@ -327,14 +359,23 @@ class Band:
                 f"{100 * (value / mean - 1):+.2f}% from its mean")
 
 
+def plain_bf16(run: Run) -> bool:
+    """Logged as plain BF16: by FP8Precision's BF16 (not a fallback), or by the Trainer's own
+    ``precision: bf16-mixed`` / ``bf16-true`` (configs/gpt2_bf16.yaml)."""
+    return run.precision in ("BF16", "bf16-mixed", "bf16-true")
+
+
 def seed_band(runs: list[Run], baseline: Optional[int] = None) -> Optional[Band]:
     """The first ``baseline`` runs, or (``None``) every run logged as plain BF16, if at least two."""
-    picked = runs[:baseline] if baseline else [r for r in runs if r.precision == "BF16"]
+    picked = runs[:baseline] if baseline else [r for r in runs if plain_bf16(r)]
     if len(picked) < 2:
         return None
-    with_val = all(_last(r, VAL_LOSS) is not None for r in runs)
-    return Band(picked, "BF16" if all(r.precision == "BF16" for r in picked) else "the baseline",
-                "final val loss" if with_val else "final loss")
+    name = "BF16" if all(map(plain_bf16, picked)) else "the baseline"
+    step = shared_val_step(runs)
+    if ends_apart(runs) and step is not None:
+        return Band(picked, name, f"val loss at step {step}", step)
+    with_val = all(_last(r, VAL_LOSS) is not None for r in runs) and not ends_apart(runs)
+    return Band(picked, name, "final val loss" if with_val else "final loss")
 
 
 def band_curve(band: Band, tag: str, x: list[float]) -> tuple[list[float], list[float], list[float]]:
@@ -507,12 +548,14 @@ def compare(run_dirs: list[str], output: str = "compare.png", labels: Optional[l
     rows = summary(runs)
     print(format_table(rows))
     print(legend(runs))
+    if note := ends_apart(runs):
+        print(note)
     band = seed_band(runs, baseline)
     if band is not None:
         for run in runs:
             if all(run is not seed for seed in band.runs):
                 print(band.verdict(run))
-    elif sum(r.precision == "BF16" for r in runs) == 1 and len(runs) > 1:
+    elif sum(map(plain_bf16, runs)) == 1 and len(runs) > 1:
         print("note: one BF16 run, no seed band: give two or more BF16 seeds (or --baseline K) "
               "for a verdict on the others")
     try:  # after the table: without matplotlib the numbers still show, and the run succeeds

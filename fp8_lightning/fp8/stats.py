@@ -365,7 +365,18 @@ class FP8Stats(Callback):
 
     @override
     def teardown(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        if stage == "fit" and self.debug_active:
+        if stage == "fit":
+            self._end_debug()
+
+    @override
+    def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                     exception: BaseException) -> None:
+        # A failed fit skips teardown; left on, the debug API would keep the next fit in this
+        # process (a notebook's) off its CUDA graphs and on TE's debug path.
+        self._end_debug()
+
+    def _end_debug(self) -> None:
+        if self.debug_active:
             import nvdlfw_inspect.api as debug_api
 
             debug_api.end_debug()  # also resets TE's debug state

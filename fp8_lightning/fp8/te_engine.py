@@ -51,6 +51,13 @@ def recipe_available(recipe: str) -> tuple[bool, str]:
     return True, gpu
 
 
+def _sharded(module: nn.Module) -> bool:
+    """FSDP2 sharded the module's weight: swapped, FSDP2 would keep gathering into the old one."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(module.weight, DTensor)
+
+
 def te_gemm_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Named TE modules that run GEMMs (and so can run FP8)."""
     modules = te_modules(model)
@@ -150,9 +157,10 @@ class TEEngine(Engine):
                     "which TE's Linear does not take; use a torchao recipe (recipe: tensorwise)")
         if not any(type(m) is nn.Linear for m in modules):
             return None  # TE's own modules (model.backend: te): nothing to swap
-        if any(isinstance(p, DTensor) for p in model.parameters()):
+        if any(isinstance(p, DTensor) for p in model.parameters()) and not te_gemm_modules(model):
             # FSDP2 keeps each parameter's owning module and would keep gathering into the
-            # replaced nn.Linear
+            # replaced nn.Linear. (A model swapped before its sharding, fitted again, has its
+            # te.Linear layers already; its sharded nn.Linear, which convert leaves, ran BF16.)
             return ("the model's nn.Linear layers were sharded (FSDP2) before FP8 could swap them "
                     "for te.Linear; use a torchao recipe (recipe: tensorwise), which converts "
                     "them in place")
@@ -218,7 +226,8 @@ class TEEngine(Engine):
         # runs FP8 only in its own modules), or a te.LayerNormLinear with the LayerNorm before
         # it where nothing else reads the norm's output; those kept BF16 stay nn.Linear.
         swap = [name for name, module in self.gemm_modules(model).items()
-                if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
+                if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)
+                and not _sharded(module)]
         # found on the user's blocks before anything is swapped (fx traces them)
         prefix, chains = (self._mlp_chains(model, swap, quiet=fuse_mlp is None)
                           if fuse_mlp is not False else ("", []))

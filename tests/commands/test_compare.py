@@ -163,11 +163,44 @@ def test_a_seed_band_of_bf16_runs_judges_each_other_run():
                                     "BF16's seed band 2.3731-2.3932 (3 runs), +0.19% from its mean")
     assert "is 0.99% above BF16's seed band 2.3731-2.3932" in band.verdict(above)
     assert "is 0.55% below (lower loss than) BF16's seed band" in band.verdict(below)
+    # configs/gpt2_bf16.yaml's runs log the Trainer's own precision, bf16-mixed: seeds as well
+    for seed in seeds:
+        seed.precision = "bf16-mixed"
+    assert seed_band([seeds[0], inside, *seeds[1:]]).runs == seeds
     # a run that fell back to BF16 is not a seed of the baseline; one BF16 run is no band
     assert seed_band([seeds[0], run("fell back", "BF16 (fallback)", 2.38), inside]) is None
     # without a validation everywhere, the console's final loss is what is judged
     del inside.scalars[logs.VAL_LOSS]
     assert seed_band([*seeds, inside]).metric == "final loss"
+
+
+def test_runs_stopped_at_different_steps_are_judged_where_all_have_a_validation():
+    """A run stopped early (its last validation at step 3) against seeds that went on to step 5:
+    the band, the verdict and the val gap read step 3, not each run's own end, and a note says
+    so; the table's final val loss stays each run's last."""
+    from fp8_lightning.commands.compare import ends_apart, seed_band
+
+    def run(label, precision, val):
+        r = _run(label, [5.0, 100, 100], [5.0, 4.0, 3.0], val=val)
+        r.precision = precision
+        return r
+
+    seeds = [run("bf16-s1", "BF16", [(1, 3.0), (3, 2.50), (5, 2.00)]),
+             run("bf16-s2", "BF16", [(1, 3.1), (3, 2.60), (5, 2.10)])]
+    stopped = run("fp8", "FP8 delayed", [(1, 3.0), (3, 2.55)])
+    band = seed_band([*seeds, stopped])
+    assert band.metric == "val loss at step 3" and band.values == [2.50, 2.60]
+    assert band.verdict(stopped) == ("verdict: fp8 (FP8 delayed): val loss at step 3 2.5500 is "
+                                     "inside BF16's seed band 2.5000-2.6000 (2 runs), +0.00% "
+                                     "from its mean")
+    rows = summary([seeds[0], stopped])
+    assert rows[1]["final val loss"] == 2.55 and rows[1]["val gap"] == pytest.approx(0.02)
+    assert ends_apart([seeds[0], stopped]) == (
+        "note: the runs' last validations are at different steps (bf16-s1: 5, fp8: 3); the val "
+        "gap and verdicts read step 3, the last validation every run has")
+    # runs that end together: their final validations, as before
+    assert ends_apart(seeds) is None
+    assert seed_band([*seeds, run("x", "FP8", [(5, 2.0)])]).metric == "final val loss"
 
 
 @pytest.fixture(scope="module")
