@@ -51,7 +51,7 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
 
 
 SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph", "-fp32res",
-            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers", "-alllayers")
+            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers", "-alllayers", "-recent")
 
 
 def method(device: torch.device) -> str:
@@ -86,6 +86,7 @@ class Variant:
     fp32_residual: Optional[bool] = None  # None: the backend's default
     activation_checkpointing: str = "none"
     fp8_layers: Optional[str] = None  # None: the recipe's default (the plugin's)
+    amax_recent: bool = False  # delayed scaling from the last step's amax (most_recent, history 1)
 
 
 def parse_variant(name: str) -> Variant:
@@ -105,6 +106,9 @@ def parse_variant(name: str) -> Variant:
         for flag in ("-bf16ends", "-fp8-head", "-autolayers", "-alllayers"):
             if flag in flags and recipe is None:
                 problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
+        if "-recent" in flags and recipe != "delayed":
+            problems.append(f"variant {name!r}: -recent needs fp8-delayed (the amax history is "
+                            "delayed scaling's)")
         if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
             problems.append(f"variant {name!r}: -fp8-attn needs fp8-delayed or fp8-current")
         if "-eager" in flags and backend != "te":
@@ -125,7 +129,8 @@ def parse_variant(name: str) -> Variant:
                    "-fp8-attn" in flags, "-fp8-head" in flags,
                    True if "-fp32res" in flags else False if "-bf16res" in flags else None,
                    "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none",
-                   "auto" if "-autolayers" in flags else "all" if "-alllayers" in flags else None)
+                   "auto" if "-autolayers" in flags else "all" if "-alllayers" in flags else None,
+                   "-recent" in flags)
 
 
 def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str]:

@@ -116,6 +116,8 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
         f"{plugin}.recipe", "{name: delayed, amax_history_len: 16, fp8_dpa: true}"]
     assert o("fp8-current-fp8-attn", "configs/gpt2_fp8.yaml") == [
         f"{plugin}.recipe", "{name: current, fp8_dpa: true}"]
+    assert o("fp8-delayed-recent-te-attn", str(mapping)) == [  # the config's history replaced
+        f"{plugin}.recipe", "{name: delayed, amax_history_len: 1, amax_compute_algo: most_recent}"]
 
 
 def doc_commands():

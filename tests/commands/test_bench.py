@@ -89,6 +89,11 @@ def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     assert "fp8_layers" not in block  # unset in the config: the recipe's default
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-autolayers"))["fp8_layers"] == "auto"
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-alllayers"))["fp8_layers"] == "all"
+    # -recent: the last step's amax replaces the config's 1,024-step history
+    recent = fp8_plugin_args(run, parse_variant("fp8-delayed-recent"))["recipe"]
+    assert recent == {"name": "delayed", "amax_history_len": 1, "amax_compute_algo": "most_recent"}
+    assert FP8Precision(**fp8_plugin_args(run, parse_variant("fp8-delayed-recent"))).recipe_config[
+        "amax_compute_algo"] == "most_recent"
 
 
 def test_bench_errors_name_the_field(tmp_path):
