@@ -37,7 +37,6 @@ import transformers
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.data import DistributedSampler
 
 from fp8_lightning import FSDP2Strategy
 from fp8_lightning.config import ConfigError, GPTConfig
@@ -62,6 +61,7 @@ class LitLlama(L.LightningModule):
         self.model: Optional[nn.Module] = None
         self.fits_one_gpu: Optional[bool] = None  # the memory check's: FSDP2Strategy's layout
         self.losses: list[torch.Tensor] = []
+        self.first_row, self.first_step = 0, 0  # where this fit's reading starts (resumed: on)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -112,17 +112,26 @@ class LitLlama(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        """The rows of ``max_steps`` steps; resumed, from the first row no step has read (a plain
-        DataLoader would start its epoch over). Each rank reads every world_size-th row, in
-        order: the sampler Lightning would add shuffles, and a resumed run's shuffle of fewer
-        rows is not the one it continues."""
-        trainer, batch, world = self.trainer, self.hparams.batch_size, self.trainer.world_size
-        first = trainer.global_step * batch * world  # the checkpoint's step
-        rows = learnable_tokens(self.config.vocab_size, trainer.max_steps * batch * world - first,
-                                self.hparams.seq_len, first=first)
-        sampler = DistributedSampler(rows, num_replicas=world, rank=trainer.global_rank,
-                                     shuffle=False)
-        return torch.utils.data.DataLoader(rows, batch_size=batch, sampler=sampler, drop_last=True)
+        """This rank's rows from the first no step has read (a plain DataLoader would start its
+        epoch over on a resume): the checkpoint keeps the count, so a resume on another number
+        of GPUs reads on as well."""
+        trainer = self.trainer
+        self.first_step = trainer.global_step  # resumed: the checkpoint's step
+        rows = Rows(self.config.vocab_size, self.hparams.seq_len, self.first_row,
+                    trainer.global_rank, trainer.world_size)
+        return torch.utils.data.DataLoader(rows, batch_size=self.hparams.batch_size)
+
+    def rows_read(self) -> int:
+        """Rows every rank's steps have read so far, this fit's and those it resumed from."""
+        trainer = self.trainer
+        return (self.first_row + (trainer.global_step - self.first_step)
+                * self.hparams.batch_size * trainer.world_size)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rows_read"] = self.rows_read()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.first_row = checkpoint.get("rows_read", 0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -141,6 +150,24 @@ class LitLlama(L.LightningModule):
             out.load_state_dict(state, assign=True)
             out.save_pretrained(directory)
         self.trainer.strategy.barrier("hf_export")
+
+
+class Rows(torch.utils.data.IterableDataset):
+    """One rank's rows of :func:`learnable_tokens` from row ``first`` on: ``first + rank``, then
+    every ``world``-th. Endless, as a stream: the Trainer stops at ``max_steps``. (A map-style
+    loader of the rows left would end a resumed epoch early: Lightning restores the epoch's batch
+    count, and the loader would start over.)"""
+
+    def __init__(self, vocab_size: int, seq_len: int, first: int, rank: int, world: int) -> None:
+        super().__init__()
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.first, self.rank, self.world = first, rank, world
+
+    def __iter__(self):
+        row = self.first + self.rank
+        while True:
+            yield learnable_tokens(self.vocab_size, 1, self.seq_len, first=row)[0]
+            row += self.world
 
 
 def learnable_tokens(vocab_size: int, samples: int, seq_len: int, first: int = 0) -> torch.Tensor:

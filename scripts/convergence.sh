@@ -29,7 +29,7 @@ fp8() {  # fp8 RECIPE: the gpt2_fp8 config with only the recipe changed (its def
 run() {  # run GPU NAME CONFIG ARGS...
     local gpu=$(($1 % NGPU)) name=$2 cfg=$3
     shift 3
-    CUDA_VISIBLE_DEVICES=$gpu timeout "${RUN_TIMEOUT:-0}" $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 60 "${RUN_TIMEOUT:-0}" $PYTHON -m fp8_lightning fit --config "$cfg" "${common[@]}" --trainer.default_root_dir "$OUT/$name" \
         "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
 }

@@ -11,14 +11,19 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fp8_lightning.commands.compare import read_run, summary
+from fp8_lightning.commands.compare import ends_apart, read_run, shared_val_step, val_at
 
 
 def main(out: str) -> None:
+    runs = {run_dir.name: read_run(str(run_dir)) for run_dir in sorted(Path(out).glob("tb-*-s*"))}
+    # runs stopped at different steps (RUN_TIMEOUT) are read where all of them validated
+    step = shared_val_step(list(runs.values())) if ends_apart(list(runs.values())) else None
+    if step is not None:
+        print(f"(the runs stopped apart: every value is the validation loss at step {step})")
     finals: dict[str, list[tuple[str, float]]] = defaultdict(list)
-    for run_dir in sorted(Path(out).glob("tb-*-s*")):
-        recipe, seed = re.fullmatch(r"tb-(.+)-s(\d+)", run_dir.name).groups()
-        value = summary([read_run(str(run_dir))])[0]["final val loss"]
+    for name, run in runs.items():
+        recipe, seed = re.fullmatch(r"tb-(.+)-s(\d+)", name).groups()
+        value = val_at(run, step)
         if value is not None:
             finals[recipe].append((seed, value))
     base = statistics.mean(v for _, v in finals["bf16"]) if finals.get("bf16") else None

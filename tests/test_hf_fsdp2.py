@@ -22,7 +22,7 @@ from fp8_lightning.distributed import fsdp2_units
 
 transformers = pytest.importorskip("transformers")
 
-STEPS, SAVE_AT, BATCH, T = 4, 2, 2, 32
+STEPS, SAVE_AT, BATCH, T = 4, 1, 2, 32  # resumed with more steps left than were run
 
 
 def tiny_config() -> dict:
@@ -97,8 +97,8 @@ def hf_rank(rank: int, port: int, root: str) -> None:
         record[key]["losses"] = [float(loss) for loss in module.losses]
         return module, trainer
 
-    fit("first", save=root / "step2.ckpt")
-    module, trainer = fit("resumed", ckpt=root / "step2.ckpt")
+    fit("first", save=root / f"step{SAVE_AT}.ckpt")
+    module, trainer = fit("resumed", ckpt=root / f"step{SAVE_AT}.ckpt")
     trainer.save_checkpoint(root / "last.ckpt")
     module.export(str(root / "hf"))
     torch.save(record, root / f"rank{rank}.pt")
@@ -222,11 +222,12 @@ def test_the_llamas_decoder_layers_are_the_fsdp2_units(hf_ranks):
 
 
 def test_a_sharded_checkpoint_resumes_where_the_run_left_off(hf_ranks):
-    """The fit resumed from the step-2 checkpoint (a directory of shards) starts from that step's
-    weights and optimizer state, and reads on from the rows step 3 read (every step reads
-    other rows): its losses are those of the fit that went on, exactly."""
+    """The fit resumed from the step-1 checkpoint (a directory of shards) starts from that step's
+    weights and optimizer state, and reads on, for more steps than ran before it, from the rows
+    step 2 read (every step reads other rows): its losses are those of the fit that went on,
+    exactly."""
     records, root = hf_ranks
-    assert sorted(p.name for p in (root / "step2.ckpt").iterdir()) == [
+    assert sorted(p.name for p in (root / f"step{SAVE_AT}.ckpt").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     for record in records:
         first, resumed = record["first"], record["resumed"]

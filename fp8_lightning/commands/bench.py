@@ -29,7 +29,8 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
   delayed and current only); ``-fp8-head``: the LM head in FP8 (``fp8_lm_head``).
 * ``-recent``: delayed scaling from the last step's amax alone (``amax_compute_algo:
-  most_recent``, ``amax_history_len: 1``) instead of the maximum over 1,024 steps.
+  most_recent``, ``amax_history_len: 1``) instead of the config's history (TE's default: the
+  maximum over 1,024 steps).
 * ``-fp32res`` / ``-bf16res``: the residual stream in float32 / in BF16 (``fp32_residual``;
   unset, each backend's default: float32 on the PyTorch backend, BF16 on TE).
 * ``-ac-full`` / ``-ac-mlp``: activation checkpointing of every block / of every MLP

@@ -223,9 +223,9 @@ def _last(run: Run, tag: str) -> Optional[float]:
 
 
 def shared_val_step(runs: list[Run]) -> Optional[int]:
-    """The last step at which every run logged a validation loss (None: some run has none in
+    """The last step at which every run that validated logged a validation loss (None: none in
     common): runs stopped at different steps are compared there, not at their own ends."""
-    steps = [{step for step, _ in run.series(VAL_LOSS)} for run in runs]
+    steps = [{step for step, _ in run.series(VAL_LOSS)} for run in runs if run.series(VAL_LOSS)]
     common = set.intersection(*steps) if steps else set()
     return max(common) if common else None
 

@@ -225,9 +225,15 @@ class TEEngine(Engine):
         # A user's nn.Linear that runs FP8 becomes a te.Linear with the same parameters (TE
         # runs FP8 only in its own modules), or a te.LayerNormLinear with the LayerNorm before
         # it where nothing else reads the norm's output; those kept BF16 stay nn.Linear.
-        swap = [name for name, module in self.gemm_modules(model).items()
-                if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)
-                and not _sharded(module)]
+        wanted = [name for name, module in self.gemm_modules(model).items()
+                  if type(module) is nn.Linear and not runs_bf16(name, bf16_modules)]
+        swap = [name for name in wanted if not _sharded(model.get_submodule(name))]
+        if len(swap) < len(wanted):  # a model sharded before this fit, its policy now looser
+            rank_zero_only(log.warning)(
+                "TE: %d nn.Linear layers stay BF16: FSDP2 sharded them before they could be "
+                "swapped for te.Linear (%s); build the model anew, or keep the policy of the fit "
+                "that swapped it", len(wanted) - len(swap),
+                ", ".join(n for n in wanted if n not in swap))
         # found on the user's blocks before anything is swapped (fx traces them)
         prefix, chains = (self._mlp_chains(model, swap, quiet=fuse_mlp is None)
                           if fuse_mlp is not False else ("", []))

@@ -198,6 +198,10 @@ def test_runs_stopped_at_different_steps_are_judged_where_all_have_a_validation(
     assert ends_apart([seeds[0], stopped]) == (
         "note: the runs' last validations are at different steps (bf16-s1: 5, fp8: 3); the val "
         "gap and verdicts read step 3, the last validation every run has")
+    # a run that never validated leaves the others' shared step as it is
+    unvalidated = run("no-val", "FP8 delayed", [])
+    del unvalidated.scalars[logs.VAL_LOSS]
+    assert summary([seeds[0], stopped, unvalidated])[1]["val gap"] == pytest.approx(0.02)
     # runs that end together: their final validations, as before
     assert ends_apart(seeds) is None
     assert seed_band([*seeds, run("x", "FP8", [(5, 2.0)])]).metric == "final val loss"
