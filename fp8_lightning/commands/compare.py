@@ -259,8 +259,9 @@ def summary(runs: list[Run]) -> list[dict[str, object]]:
     """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
     base = throughput(runs[0]) if runs else None
-    at = shared_val_step(runs) if ends_apart(runs) else None  # runs that stopped apart
-    base_val = val_at(runs[0], at) if runs and (at is not None or not ends_apart(runs)) else None
+    apart = ends_apart(runs) is not None  # runs that stopped apart: read where all validated
+    at = shared_val_step(runs) if apart else None
+    base_val = val_at(runs[0], at) if runs and not (apart and at is None) else None
     for run in runs:
         loss = [v for _, v in run.series(run.loss_tag)]
         tps = throughput(run)
