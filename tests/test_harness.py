@@ -95,13 +95,13 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
     o = variants.variant_overrides
     assert o("fp8-delayed-te-attn", "configs/gpt2_fp8.yaml") == []
     assert o("torch-compile", "configs/gpt2_bf16.yaml") == []
-    assert o("fp8-delayed-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == []
+    assert o("fp8-delayed-bf16ends-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == []
     assert o("torch-compile", "configs/llama3_3b_bf16.yaml") == []
     plugin = "--trainer.plugins.init_args"
     assert o("fp8-tensorwise", "configs/gpt2_fp8.yaml") == [
         "--model.attention", "sdpa", f"{plugin}.recipe", "tensorwise"]
-    assert o("fp8-delayed-bf16ends-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == [
-        f"{plugin}.bf16_first_layers", "1", f"{plugin}.bf16_last_layers", "1"]
+    assert o("fp8-delayed-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == [
+        f"{plugin}.bf16_first_layers", "0", f"{plugin}.bf16_last_layers", "0"]
     assert o("fp8-delayed-te-attn-nograph", "configs/gpt2_fp8.yaml") == [
         "--model.cuda_graphs", "false"]
     assert o("te-bf16-eager", "configs/gpt2_bf16.yaml") == [
