@@ -19,6 +19,8 @@ from torch import nn
 
 from fp8_lightning.config import ConfigError
 from fp8_lightning.distributed import fsdp2_units
+from fp8_lightning.fp8.engine import Engine
+from fp8_lightning.fp8.policy import runs_bf16
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,41 +116,31 @@ class Swapped(nn.Linear):
         return super().forward(x)
 
 
-class SwapEngine:
+class SwapEngine(Engine):
     """A CPU stand-in for TE's engine (whose te.Linear needs a GPU): it swaps each ``nn.Linear``
     the policy runs FP8 for a module of another class holding the same parameters, as TE's does,
     so the test sees where FSDP2Strategy converts a model whose modules the engine replaces."""
 
     name, backend, swaps_modules = "te", "te", True
 
-    def __new__(cls):
-        from fp8_lightning.fp8.engine import Engine
+    def available(self, recipe):
+        return True, "a CPU stand-in for TE's module swap"
 
-        class Stub(Engine):
-            name, backend, swaps_modules = cls.name, cls.backend, cls.swaps_modules
+    def gemm_modules(self, model):
+        return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
-            def available(self, recipe):
-                return True, "a CPU stand-in for TE's module swap"
+    def convert(self, model, config, bf16_modules, fuse_mlp=False):
+        for name, old in self.gemm_modules(model).items():
+            if type(old) is nn.Linear and not runs_bf16(name, bf16_modules):
+                new = Swapped(old.in_features, old.out_features, bias=old.bias is not None,
+                              device="meta")
+                new.weight, new.bias = old.weight, old.bias
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, new)
+        return []
 
-            def gemm_modules(self, model):
-                return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-
-            def convert(self, model, config, bf16_modules, fuse_mlp=False):
-                from fp8_lightning.fp8.policy import runs_bf16
-
-                for name, old in self.gemm_modules(model).items():
-                    if type(old) is nn.Linear and not runs_bf16(name, bf16_modules):
-                        new = Swapped(old.in_features, old.out_features, bias=old.bias is not None,
-                                      device="meta")
-                        new.weight, new.bias = old.weight, old.bias
-                        parent, _, attr = name.rpartition(".")
-                        setattr(model.get_submodule(parent), attr, new)
-                return []
-
-            def modules_ran(self, model):
-                return [n for n, m in model.named_modules() if getattr(m, "saw", None)]
-
-        return Stub()
+    def modules_ran(self, model):
+        return [n for n, m in model.named_modules() if getattr(m, "saw", None)]
 
 
 def swap_rank(rank: int, port: int, root: str) -> None:

@@ -372,10 +372,11 @@ def seed_band(runs: list[Run], baseline: Optional[int] = None) -> Optional[Band]
     if len(picked) < 2:
         return None
     name = "BF16" if all(map(plain_bf16, picked)) else "the baseline"
-    step = shared_val_step(runs)
-    if ends_apart(runs) and step is not None:
+    apart = ends_apart(runs) is not None
+    step = shared_val_step(runs) if apart else None
+    if step is not None:
         return Band(picked, name, f"val loss at step {step}", step)
-    with_val = all(_last(r, VAL_LOSS) is not None for r in runs) and not ends_apart(runs)
+    with_val = not apart and all(_last(r, VAL_LOSS) is not None for r in runs)
     return Band(picked, name, "final val loss" if with_val else "final loss")
 
 
