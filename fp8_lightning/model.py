@@ -276,11 +276,15 @@ class GPT(nn.Module):
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")  # every new length would be a recompilation
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuing ``idx`` (B, T); temperature 0 is greedy."""
+                 top_k: Optional[int] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuing ``idx`` (B, T); temperature 0 is greedy.
+
+        ``vocab_size``: sample only ids below it, the tokenizer's vocabulary where the model's is
+        larger (a Llama-sized head trained on GPT-2 tokens), so every id decodes.
+        """
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
-            logits = self(context)[:, -1, :].float()  # (B, vocab_size)
+            logits = self(context)[:, -1, :vocab_size].float()  # (B, vocab_size)
             if temperature <= 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

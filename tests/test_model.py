@@ -75,6 +75,18 @@ def test_padded_vocab_takes_no_probability_mass():
     assert int(greedy.max()) < c.vocab_size
 
 
+def test_generate_samples_only_ids_the_tokenizer_can_decode():
+    # A Llama-sized head trained on GPT-2 tokens: ids past the tokenizer's vocabulary never come out
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=1000))
+    with torch.no_grad():  # ids >= 100 would win every draw if they could
+        model.lm_head.weight[100:] = 10.0
+    idx = torch.randint(0, 100, (2, 4))
+    assert int(model.generate(idx, 8, top_k=50).max()) >= 100  # the head alone prefers them
+    assert int(model.generate(idx, 8, top_k=50, vocab_size=100).max()) < 100
+    assert int(model.generate(idx, 4, temperature=0, vocab_size=100).max()) < 100
+
+
 def test_rope_model_is_causal():
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name("tiny-llama")).eval()

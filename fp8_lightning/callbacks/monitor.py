@@ -471,7 +471,7 @@ class TrainingMonitor(Callback):
             autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
             with torch.no_grad(), autocast:
                 out = model.generate(idx, self.sample_tokens, temperature=self.sample_temperature,
-                                     top_k=self.sample_top_k)
+                                     top_k=self.sample_top_k, vocab_size=tok.vocab_size)
         return tok.decode(out[0].tolist())
 
     @override

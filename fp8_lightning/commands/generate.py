@@ -165,6 +165,7 @@ def generate(ckpt: str, prompt: str = "", max_new_tokens: int = 100, temperature
     cuda = torch_device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
     with torch.no_grad(), autocast:
-        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                             vocab_size=tok.vocab_size)
     new = out[0, len(ids):].tolist()
     return (prompt if prompt else "") + tok.decode(new)
