@@ -35,12 +35,13 @@ run() {  # run GPU NAME CONFIG ARGS...
 }
 RECIPES=${RECIPES:-"bf16 fp8-delayed fp8-current fp8-block"}  # also: fp8-tensorwise fp8-rowwise
 # (torchao), fp8-delayed-fp32res (the residual stream in float32, as the torch baseline),
-# fp8-delayed-recent (delayed scaling from the last step's amax alone, bench's -recent)
+# fp8-delayed-recent (delayed scaling from the last step's amax alone, bench's -recent: the
+# config as shipped); fp8-delayed is TE's default history (the maximum over 1,024 steps)
 recipe_args() {  # recipe_args NAME: config and overrides of one recipe
     case $1 in
         bf16)           echo configs/gpt2_bf16.yaml ;;
-        fp8-delayed)    echo configs/gpt2_fp8.yaml ;;
-        fp8-delayed-fp32res) echo configs/gpt2_fp8.yaml --model.config.fp32_residual true ;;
+        fp8-delayed)    echo configs/gpt2_fp8.yaml $(fp8 delayed) ;;  # TE's 1,024-step amax history
+        fp8-delayed-fp32res) echo configs/gpt2_fp8.yaml $(fp8 delayed) --model.config.fp32_residual true ;;
         # JSON without spaces: recipe_args' output is split on whitespace
         fp8-delayed-recent) echo configs/gpt2_fp8.yaml \
             $(fp8 '{"name":"delayed","amax_history_len":1,"amax_compute_algo":"most_recent"}') ;;

@@ -59,7 +59,7 @@ def test_print_config_and_dotted_overrides(capsys):
                               "--model.config.n_layer", "3", "--print_config"])
     assert code == 0, err
     assert "n_layer: 3" in out and "fp8_lightning.FP8Precision" in out
-    assert "recipe: delayed" in out
+    assert "recipe:\n        name: delayed\n        amax_history_len: 1\n" in out
 
 
 @pytest.mark.parametrize("value, parsed", [("1", "1"), ("2", "2"), ("1.0", "1.0"), ("0.25", "0.25")])
@@ -83,7 +83,7 @@ def test_user_errors_are_one_message_without_traceback():
 def test_unknown_recipe_key_is_rejected(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text((ROOT / "configs/gpt2_fp8.yaml").read_text().replace(
-        "recipe: delayed", "recipe: delayed\n        interval: 1"))
+        "        weights: bf16-mixed", "        interval: 1\n        weights: bf16-mixed"))
     code, _, err = run_main(capsys, ["fit", "--config", str(cfg), "--print_config"])
     assert code != 0 and "interval" in err
 

@@ -94,6 +94,7 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
     change only what their names say; a recipe given as a mapping is read by its name."""
     o = variants.variant_overrides
     assert o("fp8-delayed-te-attn", "configs/gpt2_fp8.yaml") == []
+    assert o("fp8-delayed-recent-te-attn", "configs/gpt2_fp8.yaml") == []  # what it ships
     assert o("torch-compile", "configs/gpt2_bf16.yaml") == []
     assert o("fp8-delayed-bf16ends-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == []
     assert o("torch-compile", "configs/llama3_3b_bf16.yaml") == []
@@ -109,7 +110,8 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
     assert o("fp8-delayed", "configs/gpt2_fp8.yaml") == ["--model.attention", "sdpa"]
     mapping = tmp_path / "fp8.yaml"
     mapping.write_text((ROOT / "configs/gpt2_fp8.yaml").read_text().replace(
-        "recipe: delayed", "recipe: {name: delayed, amax_history_len: 16}"))
+        "recipe:\n          name: delayed\n          amax_history_len: 1\n          amax_compute_algo: "
+        "most_recent", "recipe: {name: delayed, amax_history_len: 16}"))
     assert o("fp8-delayed-te-attn", str(mapping)) == []
     assert o("fp8-current-te-attn", str(mapping)) == [f"{plugin}.recipe", "current"]
     assert o("fp8-delayed-fp8-attn", str(mapping)) == [

@@ -28,7 +28,7 @@ from .engine import Engine
 from .engine_registry import get_engine
 from .policy import bf16_module_names, find_blocks, find_gpt, runs_bf16
 from .recipes import (DEFAULT_RECIPE, ENGINES, RECIPES, REMOVED_KEYS, RecipeName,
-                      build_recipe_config, recipe_names, split_recipe)
+                      build_recipe_config, describe, recipe_names, split_recipe)
 
 log = logging.getLogger(__name__)
 _warn = rank_zero_only(log.warning)  # one WARNING line, on rank zero only
@@ -346,7 +346,7 @@ class FP8PrecisionBase(FabricPrecision):
         self.fp8_active, self.reason = True, reason
         self._verify_pending = True
         self._record("enabled", f"{reason}; recipe {self.recipe_config}")
-        log.info("FP8 %s on %s; BF16 modules: %s", self.recipe_config["recipe"], reason,
+        log.info("FP8 %s on %s; BF16 modules: %s", describe(self.recipe_config), reason,
                  ", ".join(f"{k} ({v})" for k, v in self.bf16_modules.items()) or "none")
         if note:
             _warn(note)

@@ -80,6 +80,15 @@ def split_recipe(recipe: Any) -> tuple[Any, dict[str, Any]]:
     return recipe, {}
 
 
+def describe(config: dict[str, Any]) -> str:
+    """``delayed``, or with the fields set away from the recipe's defaults:
+    ``delayed (amax_history_len=1, amax_compute_algo=most_recent)``."""
+    name = config["recipe"]
+    changed = [f"{k}={v}" for k, v in config.items()
+               if k != "recipe" and RECIPES[name].defaults.get(k, v) != v]
+    return f"{name} ({', '.join(changed)})" if changed else name
+
+
 def build_recipe_config(recipe: str, **fields: Any) -> dict[str, Any]:
     """Validate ``recipe`` and its fields; ``None`` means the recipe's default.
 

@@ -71,9 +71,11 @@ def test_bench_cli_prints_table_and_writes_json_and_png(cli_bench):
 
 
 def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
-    config = tmp_path / "gpt2_fp8.yaml"  # the headline config with delayed's fields written out
-    config.write_text((ROOT / "configs" / "gpt2_fp8.yaml").read_text().replace(
-        "recipe: delayed", "recipe:\n          name: delayed\n          amax_history_len: 1024"))
+    shipped = (ROOT / "configs" / "gpt2_fp8.yaml").read_text()
+    assert "amax_history_len: 1\n          amax_compute_algo: most_recent" in shipped
+    config = tmp_path / "gpt2_fp8.yaml"  # the headline config with a 1,024-step history instead
+    config.write_text(shipped.replace("amax_history_len: 1\n          amax_compute_algo: most_recent",
+                                      "amax_history_len: 1024"))
     run = load_run_config(str(config))
     delayed = fp8_plugin_args(run, parse_variant("fp8-delayed-bf16ends"))
     assert delayed["recipe"] == {"name": "delayed", "amax_history_len": 1024}

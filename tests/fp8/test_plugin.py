@@ -8,6 +8,7 @@ import torch
 from fp8_lightning.config import ConfigError, GPTConfig
 from fp8_lightning.fp8 import (FP8Precision, ModelConverter, bf16_module_names,
                                build_recipe_config, get_engine)
+from fp8_lightning.fp8.recipes import describe
 from fp8_lightning.model import GPT
 
 
@@ -260,3 +261,9 @@ def test_the_plugin_applies_its_converter_at_set_up_and_around_each_forward_and_
     assert "context" in calls[train:] and "before_backward" in calls[train:]
     assert calls.count("context") >= 3  # the training forward, its backward, a validation
     assert calls[-1] == "teardown"
+
+
+def test_the_log_names_the_recipe_fields_set_away_from_their_defaults():
+    assert describe(build_recipe_config("delayed")) == "delayed"
+    recent = build_recipe_config("delayed", amax_history_len=1, amax_compute_algo="most_recent")
+    assert describe(recent) == "delayed (amax_history_len=1, amax_compute_algo=most_recent)"
