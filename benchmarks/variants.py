@@ -113,10 +113,10 @@ def variant_overrides(name: str, config: str) -> list[str]:
             wanted["plugin.fp8_layers"] = v.fp8_layers
         if v.fp8_attention:
             wanted["recipe.fp8_dpa"] = True
-        if v.amax_recent:
-            from fp8_lightning.fp8.recipes import RECENT_AMAX
+        if v.amax_history:
+            from fp8_lightning.fp8.recipes import AMAX_HISTORIES
 
-            wanted.update({f"recipe.{k}": w for k, w in RECENT_AMAX.items()})
+            wanted.update({f"recipe.{k}": w for k, w in AMAX_HISTORIES[v.amax_history].items()})
     have = {**UNSET, **read_config(config)}
     changed = {k: w for k, w in wanted.items() if have.get(k) != w}
     args = [a for k, w in changed.items() if k.startswith("model.")

@@ -51,7 +51,8 @@ BASES: dict[str, tuple[str, Optional[str], bool]] = {
 
 
 SUFFIXES = ("-bf16ends", "-te-attn", "-fp8-attn", "-fp8-head", "-eager", "-nograph", "-fp32res",
-            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers", "-alllayers", "-recent")
+            "-bf16res", "-ac-full", "-ac-mlp", "-autolayers", "-alllayers", "-recent",
+            "-hist1024")
 
 
 def method(device: torch.device) -> str:
@@ -86,7 +87,7 @@ class Variant:
     fp32_residual: Optional[bool] = None  # None: the backend's default
     activation_checkpointing: str = "none"
     fp8_layers: Optional[str] = None  # None: the recipe's default (the plugin's)
-    amax_recent: bool = False  # delayed scaling from the last step's amax (most_recent, history 1)
+    amax_history: Optional[str] = None  # recipes.AMAX_HISTORIES' key; None: the config's
 
 
 def parse_variant(name: str) -> Variant:
@@ -106,9 +107,10 @@ def parse_variant(name: str) -> Variant:
         for flag in ("-bf16ends", "-fp8-head", "-autolayers", "-alllayers"):
             if flag in flags and recipe is None:
                 problems.append(f"variant {name!r}: {flag} needs an FP8 variant (fp8-*)")
-        if "-recent" in flags and recipe != "delayed":
-            problems.append(f"variant {name!r}: -recent needs fp8-delayed (the amax history is "
-                            "delayed scaling's)")
+        for flag in ("-recent", "-hist1024"):
+            if flag in flags and recipe != "delayed":
+                problems.append(f"variant {name!r}: {flag} needs fp8-delayed (the amax history "
+                                "is delayed scaling's)")
         if "-fp8-attn" in flags and recipe not in ("delayed", "current"):
             problems.append(f"variant {name!r}: -fp8-attn needs fp8-delayed or fp8-current")
         if "-eager" in flags and backend != "te":
@@ -117,7 +119,7 @@ def parse_variant(name: str) -> Variant:
             problems.append(f"variant {name!r}: -nograph needs a TE or an FP8 variant "
                             "(te-bf16, fp8-*)")
         for pair in (("-fp32res", "-bf16res"), ("-ac-full", "-ac-mlp"),
-                     ("-autolayers", "-alllayers")):
+                     ("-autolayers", "-alllayers"), ("-recent", "-hist1024")):
             if set(pair) <= flags:
                 problems.append(f"variant {name!r}: {pair[0]} or {pair[1]}, not both")
     if problems:
@@ -130,7 +132,8 @@ def parse_variant(name: str) -> Variant:
                    True if "-fp32res" in flags else False if "-bf16res" in flags else None,
                    "full" if "-ac-full" in flags else "mlp" if "-ac-mlp" in flags else "none",
                    "auto" if "-autolayers" in flags else "all" if "-alllayers" in flags else None,
-                   "-recent" in flags)
+                   "recent" if "-recent" in flags else "hist1024" if "-hist1024" in flags
+                   else None)
 
 
 def skip_reason(variant: Variant, batch_size: int, seq_len: int) -> Optional[str]:

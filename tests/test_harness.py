@@ -99,6 +99,8 @@ def test_a_variant_overrides_its_config_only_where_it_differs_from_it(tmp_path):
     assert o("fp8-delayed-bf16ends-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == []
     assert o("torch-compile", "configs/llama3_3b_bf16.yaml") == []
     plugin = "--trainer.plugins.init_args"
+    assert o("fp8-delayed-hist1024-te-attn", "configs/gpt2_fp8.yaml") == [  # TE's default history
+        f"{plugin}.recipe", "{name: delayed, amax_history_len: 1024, amax_compute_algo: max}"]
     assert o("fp8-tensorwise", "configs/gpt2_fp8.yaml") == [
         "--model.attention", "sdpa", f"{plugin}.recipe", "tensorwise"]
     assert o("fp8-delayed-te-attn-ac-mlp", "configs/llama3_8b_fp8.yaml") == [

@@ -33,8 +33,9 @@ def test_variant_names():
     assert parse_variant("fp8-tensorwise-autolayers").fp8_layers == "auto"
     assert parse_variant("fp8-tensorwise-alllayers").fp8_layers == "all"
     assert parse_variant("fp8-tensorwise").fp8_layers is None  # the config's, else the recipe's
-    assert parse_variant("fp8-delayed-recent-te-attn").amax_recent
-    assert not parse_variant("fp8-delayed").amax_recent
+    assert parse_variant("fp8-delayed-recent-te-attn").amax_history == "recent"
+    assert parse_variant("fp8-delayed-hist1024-te-attn").amax_history == "hist1024"
+    assert parse_variant("fp8-delayed").amax_history is None  # the config's
     for bad, message in (("fp9-delayed", "valid: torch-eager"),
                          ("te-bf16-fp32res-bf16res", "-fp32res or -bf16res, not both"),
                          ("torch-compile-ac-mlp-ac-full", "-ac-full or -ac-mlp, not both"),
@@ -45,7 +46,9 @@ def test_variant_names():
                          ("torch-compile-autolayers", "-autolayers needs an FP8 variant"),
                          ("fp8-rowwise-autolayers-alllayers", "-autolayers or -alllayers, not"),
                          ("fp8-block-fp8-attn", "-fp8-attn needs fp8-delayed or fp8-current"),
-                         ("fp8-current-recent", "-recent needs fp8-delayed")):
+                         ("fp8-current-recent", "-recent needs fp8-delayed"),
+                         ("fp8-block-hist1024", "-hist1024 needs fp8-delayed"),
+                         ("fp8-delayed-recent-hist1024", "-recent or -hist1024, not both")):
         with pytest.raises(ConfigError, match=message):
             parse_variant(bad)
 

@@ -11,7 +11,7 @@ FLOPs per token and MFU come from :mod:`fp8_lightning.flops`; speedups are again
 (default: the first variant that ran, ``torch-compile`` in the default list).
 
 Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograph][-fp32res|-bf16res]
-[-ac-full|-ac-mlp][-autolayers|-alllayers][-recent]``:
+[-ac-full|-ac-mlp][-autolayers|-alllayers][-recent|-hist1024]``:
 
 * ``torch-eager`` / ``torch-compile``: the PyTorch backend in BF16 autocast, eager or under
   ``torch.compile`` (model + loss, one graph): the strong plain-PyTorch baseline.
@@ -28,9 +28,10 @@ Variants are ``<base>[-bf16ends][-te-attn][-fp8-attn][-fp8-head][-eager][-nograp
 * ``-te-attn``: ``te.DotProductAttention`` instead of SDPA (TE variants only).
 * ``-fp8-attn``: ``te.DotProductAttention`` with the recipe's ``fp8_dpa`` (attention in FP8;
   delayed and current only); ``-fp8-head``: the LM head in FP8 (``fp8_lm_head``).
-* ``-recent``: delayed scaling from the last step's amax alone (``amax_compute_algo:
-  most_recent``, ``amax_history_len: 1``) instead of the config's history (TE's default: the
-  maximum over 1,024 steps).
+* ``-recent`` / ``-hist1024``: delayed scaling from the last step's amax alone
+  (``amax_compute_algo: most_recent``, ``amax_history_len: 1``, what ``configs/gpt2_fp8.yaml``
+  ships) / from TE's default history, the maximum over 1,024 steps; without either, the
+  config's.
 * ``-fp32res`` / ``-bf16res``: the residual stream in float32 / in BF16 (``fp32_residual``;
   unset, each backend's default: float32 on the PyTorch backend, BF16 on TE).
 * ``-ac-full`` / ``-ac-mlp``: activation checkpointing of every block / of every MLP

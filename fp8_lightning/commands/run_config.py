@@ -12,7 +12,7 @@ import yaml
 from ..config import ConfigError, GPTConfig
 from ..fp8 import FP8Precision, moved_option
 from ..fp8.policy import POLICY_FIELDS
-from ..fp8.recipes import RECENT_AMAX, split_recipe
+from ..fp8.recipes import AMAX_HISTORIES, split_recipe
 from ..measure import Variant
 from .parser_messages import import_class
 
@@ -145,8 +145,8 @@ def fp8_plugin_args(run: RunConfig, variant: Variant) -> dict[str, Any]:
         args.update(bf16_first_layers=1, bf16_last_layers=1)
     if variant.fp8_attention:
         fields.update(fp8_dpa=True)
-    if variant.amax_recent:
-        fields.update(RECENT_AMAX)
+    if variant.amax_history:
+        fields.update(AMAX_HISTORIES[variant.amax_history])
     if variant.fp8_head:
         args.update(fp8_lm_head=True)
     if variant.fp8_layers:

@@ -55,9 +55,11 @@ RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "roww
 assert set(get_args(RecipeName)) == set(RECIPES), "RecipeName lists every recipe"
 # An engine's recipe when none is given: its first, the fastest measured on Hopper.
 DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise"}
-# delayed scaling from the last step's amax alone, not the maximum over TE's 1,024-step history
+# Delayed scaling's amax history, as a bench variant's suffix names it: the last step's amax alone
+# (what configs/gpt2_fp8.yaml ships), or TE's default, the maximum over 1,024 steps
 # (docs/convergence.md compares the two)
-RECENT_AMAX = {"amax_history_len": 1, "amax_compute_algo": "most_recent"}
+AMAX_HISTORIES = {"recent": {"amax_history_len": 1, "amax_compute_algo": "most_recent"},
+                  "hist1024": {"amax_history_len": 1024, "amax_compute_algo": "max"}}
 ENGINES = tuple(DEFAULT_RECIPE)
 FORMATS = ("hybrid", "e4m3")  # E5M2-only training is not supported by TE
 REMOVED_KEYS = {

@@ -74,6 +74,23 @@ def console_lines(text):
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text).splitlines()
 
 
+def test_the_sample_of_a_head_larger_than_its_tokenizer_decodes():
+    """A Llama-sized head trained on GPT-2 tokens (the 8B config on the embedded corpus): the
+    text sample draws only ids the GPT-2 tokenizer can decode."""
+    from fp8_lightning.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=50400))
+    with torch.no_grad():  # ids past GPT-2's 50,257 would win every greedy draw
+        model.norm_f.bias.fill_(1.0)
+        model.lm_head.weight[50257:] = 10.0
+    monitor = M.TrainingMonitor(sample_prompt="The", sample_tokens=4, sample_temperature=0,
+                                tokenizer="gpt2")
+    text = monitor.sample(SimpleNamespace(datamodule=None),
+                          SimpleNamespace(model=model, device=torch.device("cpu")))
+    assert text.startswith("The") and len(text) > len("The")
+
+
 def test_console_lines_in_a_cpu_fit(fit_run):
     _, result = fit_run
     stdout = console_lines(result.stdout)

@@ -91,7 +91,10 @@ def test_fp8_variants_take_the_config_policy_and_own_recipe_fields(tmp_path):
     assert "fp8_layers" not in block  # unset in the config: the recipe's default
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-autolayers"))["fp8_layers"] == "auto"
     assert fp8_plugin_args(run, parse_variant("fp8-tensorwise-alllayers"))["fp8_layers"] == "all"
-    # -recent: the last step's amax replaces the config's 1,024-step history
+    # -recent / -hist1024: the last step's amax / TE's 1,024-step history replace the config's
+    shipped = load_run_config(str(ROOT / "configs" / "gpt2_fp8.yaml"))
+    assert fp8_plugin_args(shipped, parse_variant("fp8-delayed-hist1024"))["recipe"] == {
+        "name": "delayed", "amax_history_len": 1024, "amax_compute_algo": "max"}
     recent = fp8_plugin_args(run, parse_variant("fp8-delayed-recent"))["recipe"]
     assert recent == {"name": "delayed", "amax_history_len": 1, "amax_compute_algo": "most_recent"}
     assert FP8Precision(**fp8_plugin_args(run, parse_variant("fp8-delayed-recent"))).recipe_config[

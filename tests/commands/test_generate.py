@@ -206,3 +206,21 @@ def test_generate_refuses_a_tokenizer_larger_than_the_model_when_the_recorded_on
                     "--force_tokenizer true to decode with 'gpt2' anyway")
     assert generate(str(ckpt), prompt="ROMEO:", max_new_tokens=2,
                     tokenizer=str(bytes_json)).startswith("ROMEO:")  # a copy: it fits
+
+
+def test_generate_draws_only_ids_its_tokenizer_decodes(tmp_path):
+    """A head larger than the tokenizer's vocabulary (a Llama-sized model trained on GPT-2
+    tokens): the continuation has only ids GPT-2 decodes."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(name="tiny", vocab_size=50400))
+    with torch.no_grad():  # ids past GPT-2's 50,257 would win every greedy draw
+        model.norm_f.bias.fill_(1.0)
+        model.lm_head.weight[50257:] = 10.0
+    config = model.config.to_dict()
+    path = tmp_path / "big-head.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "pytorch-lightning_version": "2.6.6", "global_step": 0,
+                "hyper_parameters": {"config": config},
+                "fp8_lightning": {"config": config, "precision": "bf16", "tokenizer": "gpt2"}}, path)
+    text = generate(str(path), prompt="The", max_new_tokens=4, temperature=0, device="cpu")
+    assert text.startswith("The") and len(text) > len("The")
