@@ -59,7 +59,8 @@ DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise"}
 # (what configs/gpt2_fp8.yaml ships), or TE's default, the maximum over 1,024 steps
 # (docs/convergence.md compares the two)
 AMAX_HISTORIES = {"recent": {"amax_history_len": 1, "amax_compute_algo": "most_recent"},
-                  "hist1024": {"amax_history_len": 1024, "amax_compute_algo": "max"}}
+                  "hist1024": {k: RECIPES["delayed"].defaults[k]
+                               for k in ("amax_history_len", "amax_compute_algo")}}
 ENGINES = tuple(DEFAULT_RECIPE)
 FORMATS = ("hybrid", "e4m3")  # E5M2-only training is not supported by TE
 REMOVED_KEYS = {
