@@ -11,13 +11,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fp8_lightning.commands.compare import ends_apart, read_run, shared_val_step, val_at
+from fp8_lightning.commands.compare import read_run, stopped_apart, val_at
 
 
 def main(out: str) -> None:
     runs = {run_dir.name: read_run(str(run_dir)) for run_dir in sorted(Path(out).glob("tb-*-s*"))}
     # runs stopped at different steps (RUN_TIMEOUT) are read where all of them validated
-    step = shared_val_step(list(runs.values())) if ends_apart(list(runs.values())) else None
+    _, step = stopped_apart(list(runs.values()))
     if step is not None:
         print(f"(the runs stopped apart: every value is the validation loss at step {step})")
     finals: dict[str, list[tuple[str, float]]] = defaultdict(list)

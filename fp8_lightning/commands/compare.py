@@ -238,15 +238,23 @@ def val_at(run: Run, step: Optional[int]) -> Optional[float]:
     return next((v for s, v in reversed(values) if s == step), None)
 
 
+def stopped_apart(runs: list[Run]) -> tuple[bool, Optional[int]]:
+    """Whether the runs' last validations are at different steps, and then the step to read
+    them at: :func:`shared_val_step` (None where they share none)."""
+    if len({run.series(VAL_LOSS)[-1][0] for run in runs if run.series(VAL_LOSS)}) < 2:
+        return False, None
+    return True, shared_val_step(runs)
+
+
 def ends_apart(runs: list[Run]) -> Optional[str]:
     """A note where the runs' last validations are at different steps, else None."""
-    ends = {run.label: run.series(VAL_LOSS)[-1][0] for run in runs if run.series(VAL_LOSS)}
-    if len(set(ends.values())) < 2:
+    apart, step = stopped_apart(runs)
+    if not apart:
         return None
-    step = shared_val_step(runs)
+    ends = {run.label: run.series(VAL_LOSS)[-1][0] for run in runs if run.series(VAL_LOSS)}
     read = (f"the val gap and verdicts read step {step}, the last validation every run has"
             if step is not None else "they share no validation step: the val gap is not computed")
-    return (f"note: the runs' last validations are at different steps ("
+    return ("note: the runs' last validations are at different steps ("
             + ", ".join(f"{label}: {end}" for label, end in ends.items()) + f"); {read}")
 
 
@@ -259,8 +267,7 @@ def summary(runs: list[Run]) -> list[dict[str, object]]:
     """One row per run; ``val gap`` and ``speedup`` are relative to the first run."""
     rows = []
     base = throughput(runs[0]) if runs else None
-    apart = ends_apart(runs) is not None  # runs that stopped apart: read where all validated
-    at = shared_val_step(runs) if apart else None
+    apart, at = stopped_apart(runs)  # runs that stopped apart: read where all validated
     base_val = val_at(runs[0], at) if runs and not (apart and at is None) else None
     for run in runs:
         loss = [v for _, v in run.series(run.loss_tag)]
@@ -372,8 +379,7 @@ def seed_band(runs: list[Run], baseline: Optional[int] = None) -> Optional[Band]
     if len(picked) < 2:
         return None
     name = "BF16" if all(map(plain_bf16, picked)) else "the baseline"
-    apart = ends_apart(runs) is not None
-    step = shared_val_step(runs) if apart else None
+    apart, step = stopped_apart(runs)
     if step is not None:
         return Band(picked, name, f"val loss at step {step}", step)
     with_val = not apart and all(_last(r, VAL_LOSS) is not None for r in runs)
