@@ -152,9 +152,22 @@ def _checked_loader_class() -> type:
         def __init__(self, *args: Any, vocab_size: Optional[int], where: str, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.vocab_size, self.where = vocab_size, where
+            self._read_restored = False  # has an iteration read from the loaded state?
+
+        def load_state_dict(self, obj: dict[str, Any]) -> None:
+            super().load_state_dict(obj)
+            self._read_restored = False
 
         def __iter__(self) -> Iterator[Any]:
+            # litdata leaves `restore` set until an epoch's loop runs into StopIteration; Lightning
+            # ends an epoch at its batch count without asking for one more, so after a mid-epoch
+            # resume every later epoch replayed the rest of the resumed one (as litData#760/#770
+            # with early breaks). Once an iteration has read from the loaded state, the next one
+            # is a new epoch, as in a run that never stopped.
+            if self.restore and self._read_restored:
+                self.restore = False
             for batch in super().__iter__():
+                self._read_restored = True
                 if self.vocab_size is not None and batch.numel():
                     low, high = (int(v) for v in torch.aminmax(batch))
                     if low < 0 or high >= self.vocab_size:

@@ -146,6 +146,48 @@ def test_resume_after_sigkill_sees_exactly_the_same_batches_and_losses(killed_ru
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def short_epochs(tmp_path_factory):
+    """CLI arguments for a fit whose epoch is 8 steps: 158 training blocks, 16 per step, two
+    loader workers (79 blocks each, 4 whole micro-batches per worker)."""
+    from fp8_lightning.data.prepare import prepare
+    from fp8_lightning.data.streaming import EMBEDDED_CORPUS, preserved_rng
+    from tests._runs import BYTES_VOCAB, byte_tokenizer
+
+    root = tmp_path_factory.mktemp("short-epochs")
+    (root / "corpus.txt").write_text(EMBEDDED_CORPUS.read_text()[:24_000])
+    with preserved_rng():
+        prepare([str(root / "corpus.txt")], str(root / "ds"),
+                tokenizer=str(byte_tokenizer(root / "tokenizer.json")), seq_len=128,
+                val_fraction=0.15, num_workers=1)
+    return ["--data.data_dir", str(root / "ds"), "--data.tokenizer", str(root / "tokenizer.json"),
+            "--model.config.vocab_size", str(BYTES_VOCAB), "--data.batch_size", "16",
+            "--data.num_workers", "2", "--trainer.max_steps", "20",
+            "--trainer.callbacks.init_args.every_n_train_steps", "4"]
+
+
+def test_a_run_resumed_mid_epoch_reads_the_next_epochs_as_a_run_that_never_stopped(
+        short_epochs, tmp_path, capsys):
+    """Killed at step 6 of the first epoch (its checkpoint: step 4), resumed to step 20: epochs 2
+    and 3 are new shuffles, not a replay of the resumed epoch's rest."""
+    code, log = run_here(*RESUME, *short_epochs, "--trainer.default_root_dir",
+                         str(tmp_path / "straight"), *batch_log(tmp_path / "straight.jsonl"))
+    assert code == 0, log[-3000:]
+    killed = run_cli(*RESUME, *short_epochs, "--trainer.default_root_dir", str(tmp_path / "run"),
+                     *batch_log(tmp_path / "first.jsonl"),
+                     "--trainer.callbacks+=tests.helpers.KillAt", "--trainer.callbacks.step", "6")
+    assert killed.returncode == -signal.SIGKILL
+    code, log = run_main_logged(capsys, [*RESUME, *short_epochs, "--trainer.default_root_dir",
+                                         str(tmp_path / "run"), "--ckpt_path", "last",
+                                         *batch_log(tmp_path / "resumed.jsonl")])
+    assert code == 0, log[-3000:]
+    assert "data: resumed at block 64 of epoch 1 (verified)" in log
+    straight = [r["batch"] for r in records(tmp_path / "straight.jsonl")]
+    after = records(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in after] == list(range(4, 20))
+    assert [r["batch"] for r in after] == straight[4:20]
+
+
 def test_resume_with_another_batch_size_continues_the_same_sample_stream(killed_run, small_vocab,
                                                                         capsys):
     tmp = killed_run
