@@ -7,7 +7,6 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
-from weakref import proxy
 
 import lightning as L
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -22,8 +21,7 @@ class Checkpoint(ModelCheckpoint):
     """``ModelCheckpoint`` with atomic writes, a stable directory and keep-last-K.
 
     ``last.ckpt`` is written every ``every_n_train_steps`` steps and when training ends; best-k
-    checkpoints are ranked after each validation, by that validation's ``monitor``. ``last.ckpt``
-    at the end, right after a validation that wrote a best-k file, is a hard link to that file.
+    checkpoints are ranked after each validation, by that validation's ``monitor``.
 
     Args:
         dirpath: where checkpoints go; default ``<trainer.default_root_dir>/checkpoints`` (one
@@ -119,46 +117,20 @@ class Checkpoint(ModelCheckpoint):
         if self.keep_last and trainer.is_global_zero and self.last_model_path:
             self._keep(Path(self.last_model_path), trainer.global_step)
 
-    @override
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        # last.ckpt at the end (or at SIGTERM) right after this step's validation wrote a best-k
-        # file holds the same weights and state: link that file instead of writing them again
-        # (tens of GB at 8B). Not the other way round: a periodic last.ckpt written before the
-        # step's validation records the previous validation's loss, a best-k file its own.
-        first, last = self._last_checkpoint_saved, self.last_model_path
-        if (self._last_global_step_saved != trainer.global_step or not first or not last
-                or os.path.abspath(filepath) != os.path.abspath(last)
-                or os.path.abspath(first) == os.path.abspath(last) or not os.path.exists(first)):
-            return super()._save_checkpoint(trainer, filepath)
-        if trainer.is_global_zero:
-            _link(Path(first), Path(filepath))
-        trainer.strategy.barrier("Checkpoint._save_checkpoint")
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(proxy(self))
-
     def _keep(self, last: Path, step: int) -> None:
         target = last.with_name(f"step-{step:07d}.ckpt")
-        if not target.exists():
-            _link(last, target)  # a new inode replaces last.ckpt next time: the link keeps this one
+        if last.is_dir() and not target.exists():  # a sharded checkpoint: a directory of links
+            link_copy_directory(last, target)
+        elif not target.exists():
+            tmp = temporary_beside(target)
+            try:
+                os.link(last, tmp)  # a new inode replaces last.ckpt next time: the link keeps this one
+            except OSError:
+                shutil.copy2(last, tmp)
+            os.replace(tmp, target)
         kept = sorted(last.parent.glob("step-*.ckpt"))
         for old in kept[: max(0, len(kept) - self.keep_last)]:
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 old.unlink(missing_ok=True)
-
-
-def _link(src: Path, dst: Path) -> None:
-    """``dst`` as the checkpoint ``src`` without writing it again: a hard link (a directory of them
-    for a sharded checkpoint), a copy where the file system has none; replaces ``dst``."""
-    if src.is_dir():
-        link_copy_directory(src, dst)
-        return
-    tmp = temporary_beside(dst)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copy2(src, tmp)
-    os.replace(tmp, dst)

@@ -161,9 +161,9 @@ def _checked_loader_class() -> type:
         def __iter__(self) -> Iterator[Any]:
             # litdata leaves `restore` set until an epoch's loop runs into StopIteration; Lightning
             # ends an epoch at its batch count without asking for one more, so after a mid-epoch
-            # resume every later epoch replayed the rest of the resumed one (as Lightning-AI/litData#760
-            # with early breaks). Once an iteration has read from the loaded state, the next one
-            # is a new epoch, as in a run that never stopped.
+            # resume the epochs after the resumed one did not read what an uninterrupted run reads
+            # (litdata took them as still restoring; as Lightning-AI/litData#760 with early breaks).
+            # Once an iteration has read from the loaded state, the next one is a new epoch.
             if self.restore and self._read_restored:
                 self.restore = False
             for batch in super().__iter__():

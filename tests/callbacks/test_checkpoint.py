@@ -212,37 +212,6 @@ def test_resume_with_another_seq_len_stops_with_a_clear_error(killed_run, small_
     assert "block_size=64 but the checkpoint was trained with block_size=128" in message
 
 
-def test_last_ckpt_after_the_final_validation_is_a_link_to_its_best_file(tmp_path):
-    """Validation every 2 steps, last.ckpt every 4, every best file kept, 10 steps. At the end
-    last.ckpt is the final validation's best file (one write). At step 8 both are written: the
-    periodic last.ckpt ran before that step's validation and records step 6's loss, the best
-    file its own."""
-    from fp8_lightning.checkpoint_files import load_checkpoint_file
-    from fp8_lightning.module import GPTLightningModule
-
-    tokens = torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(tokens, batch_size=4)
-    module = GPTLightningModule(config=GPTConfig(name="tiny", n_layer=1, block_size=16,
-                                                 vocab_size=257), backend="torch", warmup_steps=1)
-    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=10, val_check_interval=2,
-                        check_val_every_n_epoch=None, limit_val_batches=1, accelerator="cpu",
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Checkpoint(every_n_train_steps=4, save_top_k=-1, keep_last=3)])
-    trainer.fit(module, loader, loader)
-
-    files = {p.name: p for p in (tmp_path / "checkpoints").iterdir()}
-    best = {int(re.search(r"best-step(\d+)", n).group(1)): p for n, p in files.items()
-            if n.startswith("best-")}
-    assert sorted(best) == [2, 4, 6, 8, 10]
-    assert files["last.ckpt"].samefile(best[10]) and files["last.ckpt"].samefile(
-        files["step-0000010.ckpt"])
-    last = load_checkpoint_file(files["last.ckpt"])
-    assert (last["global_step"], last["fp8_lightning"]["val_step"]) == (10, 10)
-    assert not best[8].samefile(files["step-0000008.ckpt"])
-    assert load_checkpoint_file(files["step-0000008.ckpt"])["fp8_lightning"]["val_step"] == 6
-    assert load_checkpoint_file(best[8])["fp8_lightning"]["val_step"] == 8
-
-
 def test_ckpt_path_last_resumes_from_the_runs_checkpoint_directory(tmp_path):
     """``trainer.fit(ckpt_path="last")`` (the Python API; the CLI resolves ``last`` itself) with a
     logger: Lightning alone would look in the logger's ``version_N/checkpoints``, where nothing
