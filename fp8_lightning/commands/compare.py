@@ -23,7 +23,8 @@ table and writes one PNG:
   and throughput (paused windows left out).
 
 A RUN_DIR is a run's ``default_root_dir``, its ``lightning_logs`` or one ``version_N`` folder;
-where it holds several versions the newest is used (and the choice is printed).
+of several versions, the newest with the runs it resumed (``--ckpt_path last``) before it are read
+as one curve, and a note says which were read.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def _log_files(folder: Path) -> list[Path]:
     return [*folder.glob(EVENTS), *folder.glob(METRICS_CSV)]
 
 
-def find_log_dir(run_dir: str) -> tuple[Path, str]:
-    """The folder with the logs of ``run_dir`` (the newest version if several)."""
+def find_log_dirs(run_dir: str) -> list[Path]:
+    """The folders with the logs of ``run_dir``, oldest first (a version folder per start)."""
     root = Path(run_dir).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"run directory {str(root)!r} does not exist")
@@ -96,11 +97,7 @@ def find_log_dir(run_dir: str) -> tuple[Path, str]:
         raise FileNotFoundError(f"no TensorBoard event files under {str(root)!r} and no CSVLogger "
                                 f"{METRICS_CSV} (give a run's default_root_dir or its "
                                 "lightning_logs/version_N)")
-    note = ""
-    if len(folders) > 1:
-        note = (f"{root}: {len(folders)} logged runs, using the newest "
-                f"({folders[-1].relative_to(root)}); pass a version folder to pick another")
-    return folders[-1], note
+    return folders
 
 
 def _read_tensorboard(run: Run) -> Optional[str]:
@@ -154,10 +151,37 @@ def _read_csv(run: Run) -> Optional[str]:
     return text
 
 
+def _read_folder(log_dir: Path, label: str) -> tuple[Run, Optional[str]]:
+    run = Run(label, log_dir)
+    return run, _read_tensorboard(run) if any(log_dir.glob(EVENTS)) else _read_csv(run)
+
+
+def _first_step(run: Run) -> Optional[int]:
+    points = run.series(run.loss_tag)  # (not hp_metric: the logger writes it at step 0 each start)
+    return points[0][0] if points else None
+
+
 def read_run(run_dir: str, label: Optional[str] = None) -> Run:
-    log_dir, note = find_log_dir(run_dir)
-    run = Run(label or run_dir, log_dir, note=note)
-    text = _read_tensorboard(run) if any(log_dir.glob(EVENTS)) else _read_csv(run)
+    """The newest logged run under ``run_dir``, with the runs it resumed (``--ckpt_path last``
+    logs into a new version folder) before it: each older one up to the step the next began."""
+    folders = find_log_dirs(run_dir)
+    reads = [_read_folder(f, label or run_dir) for f in folders]
+    reads = [r for r in reads if _first_step(r[0]) is not None] or reads[-1:]  # not empty ones
+    run, text = reads[-1]
+    chained = 1
+    for prev, _ in reversed(reads[:-1]):
+        first = _first_step(run)
+        if first is None or _first_step(prev) >= first:
+            break  # the newer run started afresh, not from this one
+        for tag, series in prev.scalars.items():
+            run.scalars[tag] = [p for p in series if p[0] < first] + run.series(tag)
+        chained += 1
+    if chained > 1:
+        run.note = f"{run_dir}: {chained} logged runs, each resumed from the one before: read as one"
+    elif len(folders) > 1:
+        run.note = (f"{run_dir}: {len(folders)} logged runs, using the newest "
+                    f"({run.log_dir.relative_to(Path(run_dir).expanduser())}); pass a version "
+                    "folder to pick another")
     if text:
         run.precision = short_tag(text)  # the reason is in the logs
     elif run.series(FP8_ACTIVE):

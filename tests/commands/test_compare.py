@@ -145,6 +145,38 @@ def test_read_run_prefers_the_newest_version(two_runs):
     assert run.precision in ("BF16 (fallback)", "FP32 (fallback)")  # from text.jsonl
 
 
+def test_a_resumed_run_reads_as_one_curve_and_a_fresh_start_as_itself(tmp_path):
+    """``--ckpt_path last`` logs into a new version folder. A run's versions are one curve where
+    each resumed the one before (from the step the newer one began); a version that started
+    afresh is read alone. The logger's ``hp_metric`` at step 0 of every start does not count."""
+    import os
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path / "run"
+
+    def log(version, steps, loss):
+        folder = root / "lightning_logs" / f"version_{version}"
+        with SummaryWriter(str(folder)) as writer:
+            writer.add_scalar("hp_metric", -1, 0)
+            for step in steps:
+                writer.add_scalar(logs.TRAIN_LOSS_MEAN, loss(step), step)
+        for f in folder.iterdir():  # the order compare reads them in: by time written
+            os.utime(f, (1_000_000 + version, 1_000_000 + version))
+
+    log(0, range(10, 110, 10), lambda s: 10.0)  # stopped after step 100, its checkpoint at 80
+    log(1, range(90, 210, 10), lambda s: 5.0)  # resumed from step 80: 90 and 100 run again
+    run = read_run(str(root))
+    assert run.series(logs.TRAIN_LOSS_MEAN) == [(s, 10.0) for s in range(10, 90, 10)] + \
+        [(s, 5.0) for s in range(90, 210, 10)]
+    assert run.note.endswith("2 logged runs, each resumed from the one before: read as one")
+
+    log(2, range(10, 60, 10), lambda s: 7.0)  # a fresh start in the same root
+    run = read_run(str(root))
+    assert run.series(logs.TRAIN_LOSS_MEAN) == [(s, 7.0) for s in range(10, 60, 10)]
+    assert "3 logged runs, using the newest (lightning_logs/version_2)" in run.note
+
+
 def test_a_seed_band_of_bf16_runs_judges_each_other_run():
     """Runs logged as plain BF16 are the baseline's seeds; every other run gets one verdict line."""
     from fp8_lightning.commands.compare import seed_band
