@@ -170,8 +170,8 @@ def read_run(run_dir: str, label: Optional[str] = None) -> Run:
     run, text = reads[-1]
     chained = 1
     for prev, _ in reversed(reads[:-1]):
-        first = _first_step(run)
-        if first is None or _first_step(prev) >= first:
+        first = _first_step(run)  # every read left has a loss series, or there is one read
+        if _first_step(prev) >= first:
             break  # the newer run started afresh, not from this one
         for tag, series in prev.scalars.items():
             run.scalars[tag] = [p for p in series if p[0] < first] + run.series(tag)
