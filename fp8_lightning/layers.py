@@ -50,7 +50,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], k
 
 class _Gemms:
     """The torch layers' matrix products: ``F.linear``, or the float8 GEMM that an FP8 engine
-    (:mod:`fp8_lightning.fp8.torchao_engine`) puts in ``float8`` for this module."""
+    (:mod:`fp8_lightning.fp8.torchao_engine`) puts in ``float8`` for this module. The engine
+    finds these layers by that empty class attribute."""
 
     float8: Optional[Callable[..., torch.Tensor]] = None
 

@@ -242,6 +242,7 @@ def test_a_users_model_under_ddp_replays_its_blocks_with_cached_fp8_weights_and_
     plain ``torch.nn`` GPT on each rank, captures each block as its own CUDA graph (DDP's
     all-reduce between the replays) whose FP8 weights are cast once per optimizer step, FP8 is
     verified, and the loss falls well below uniform (ln 512 = 6.24), as on one GPU."""
+    import os
     import subprocess
     import sys
 
@@ -253,12 +254,13 @@ def test_a_users_model_under_ddp_replays_its_blocks_with_cached_fp8_weights_and_
     script.write_text(
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
-        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-        "import own_model\n"
+        "from examples import own_model\n"
         "own_model.main(sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}  # examples/ as a package
     result = subprocess.run(
         [sys.executable, str(script), "--devices", "2", "--recipe", "delayed", "--steps", "40",
-         "--batch_size", "16"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+         "--batch_size", "16"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "blocks captured, a graph each" in out and \

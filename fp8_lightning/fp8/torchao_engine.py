@@ -200,11 +200,12 @@ class TorchaoEngine(Engine):
         return True, gpu
 
     def gemm_modules(self, model: nn.Module) -> dict[str, nn.Module]:
-        """This package's PyTorch layers and any other model's ``nn.Linear`` modules."""
-        from ..layers import _Gemms
-
+        """This package's PyTorch layers (their class declares the empty ``float8`` GEMM slot this
+        engine fills; found by it, so that ``fp8/`` imports nothing of the model) and any other
+        model's ``nn.Linear`` modules."""
         return {name: m for name, m in model.named_modules()
-                if isinstance(m, (_Gemms, nn.Linear)) or is_conv1d(m)}
+                if getattr(type(m), "float8", False) is None or isinstance(m, nn.Linear)
+                or is_conv1d(m)}
 
     def auto_bf16(self, gemm_modules: dict[str, nn.Module], keep: dict[str, str],
                   config: dict[str, Any], tokens: Optional[int]) -> tuple[dict[str, str], str]:
