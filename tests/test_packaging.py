@@ -190,3 +190,33 @@ def test_prose_docs_quote_no_speed_figures():
              for i, line in enumerate(p.read_text().splitlines()) if FIGURE.search(line)]
     assert not found, "a figure's home is docs/benchmarks.md; link to it there:\n" + \
         "\n".join(found)
+
+
+def package_imports(path: Path) -> set[str]:
+    """The ``fp8_lightning`` modules ``path`` imports, at its top or inside functions, as dotted
+    names below the package (``from ..config import X`` in ``fp8/plugin.py`` -> ``config``)."""
+    package = path.relative_to(ROOT / "fp8_lightning").parent.parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            found.add(".".join((*base, *(node.module.split(".") if node.module else ()))))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found |= {n.removeprefix("fp8_lightning.") for n in names
+                      if n and n.startswith("fp8_lightning.")}
+    return found
+
+
+def test_the_fp8_core_imports_nothing_above_it():
+    """``fp8/`` (plugin, recipes, policy, engines) sits below the model and the Lightning module:
+    it may use itself and the leaf modules under it, whose own imports stay outside the package,
+    so the FP8 core can be read, tested and reused without the model."""
+    leaves = {"config", "te_availability", "logs"}
+    assert package_imports(ROOT / "fp8_lightning/fp8/plugin.py") >= {"config", "fp8.recipes"}
+    above = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "fp8_lightning/fp8").glob("*.py")
+             for m in package_imports(p) if not (m == "fp8" or m.startswith("fp8.") or m in leaves)}
+    assert not above, "fp8/ imports modules above it:\n" + "\n".join(sorted(above))
+    leaf_imports = {f"{leaf}: {m}" for leaf in leaves
+                    for m in package_imports(ROOT / "fp8_lightning" / f"{leaf}.py")}
+    assert not leaf_imports, "a leaf module imports the package:\n" + "\n".join(sorted(leaf_imports))
