@@ -192,20 +192,32 @@ def test_prose_docs_quote_no_speed_figures():
         "\n".join(found)
 
 
+PACKAGE = ROOT / "fp8_lightning"
+MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix("__init__").strip("."): p
+           for p in PACKAGE.rglob("*.py")}  # "fp8.plugin", "fp8" (its __init__), "" (the package's)
+
+
 def package_imports(path: Path) -> set[str]:
-    """The ``fp8_lightning`` modules ``path`` imports, at its top or inside functions, as dotted
-    names below the package (``from ..config import X`` in ``fp8/plugin.py`` -> ``config``)."""
-    package = path.relative_to(ROOT / "fp8_lightning").parent.parts
+    """The package's modules that ``path`` imports, at its top or inside functions, named below
+    the package (``from ..config import X`` in ``fp8/plugin.py`` -> ``config``; ``from . import
+    recipes`` -> ``fp8.recipes``)."""
+    package = path.relative_to(PACKAGE).parent.parts
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[:len(package) - node.level + 1]
-            found.add(".".join((*base, *(node.module.split(".") if node.module else ()))))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            found |= {n.removeprefix("fp8_lightning.") for n in names
-                      if n and n.startswith("fp8_lightning.")}
-    return found
+            base = ".".join((*package[:len(package) - node.level + 1],
+                             *(node.module.split(".") if node.module else ())))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp8_lightning"):
+            base = node.module.removeprefix("fp8_lightning").strip(".")
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("fp8_lightning").strip(".") for a in node.names
+                      if a.name.startswith("fp8_lightning")}
+            continue
+        else:
+            continue
+        found |= {m for m in (base, *(f"{base}.{a.name}".strip(".") for a in node.names))
+                  if m in MODULES}
+    return found - {m for m, p in MODULES.items() if p == path}
 
 
 def test_the_fp8_core_imports_nothing_above_it():
@@ -220,3 +232,24 @@ def test_the_fp8_core_imports_nothing_above_it():
     leaf_imports = {f"{leaf}: {m}" for leaf in leaves
                     for m in package_imports(ROOT / "fp8_lightning" / f"{leaf}.py")}
     assert not leaf_imports, "a leaf module imports the package:\n" + "\n".join(sorted(leaf_imports))
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    """No import cycle, counting imports inside functions (the usual way to hide one)."""
+    assert "fp8.recipes" in package_imports(PACKAGE / "fp8" / "plugin.py")
+    graph = {m: package_imports(path) for m, path in MODULES.items()}
+
+    def cycle_from(start):  # a path back to start, if any
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for dep in graph[node]:
+                if dep == start:
+                    return path + [start]
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, path + [dep]))
+        return None
+
+    cycles = {" -> ".join(c) for m in MODULES if (c := cycle_from(m))}
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles))
