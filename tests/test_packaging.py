@@ -195,29 +195,49 @@ def test_prose_docs_quote_no_speed_figures():
 PACKAGE = ROOT / "fp8_lightning"
 MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix("__init__").strip("."): p
            for p in PACKAGE.rglob("*.py")}  # "fp8.plugin", "fp8" (its __init__), "" (the package's)
+# the package's names load their modules on first use (its __getattr__): the name is the import
+LAZY = next(ast.literal_eval(n.value) for n in ast.parse((PACKAGE / "__init__.py").read_text()).body
+            if isinstance(n, ast.Assign) and n.targets[0].id == "_EXPORTS")
+
+
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    return {inner for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for inner in ast.walk(node)}
 
 
 def package_imports(path: Path) -> set[str]:
-    """The package's modules that ``path`` imports, at its top or inside functions, named below
-    the package (``from ..config import X`` in ``fp8/plugin.py`` -> ``config``; ``from . import
-    recipes`` -> ``fp8.recipes``)."""
+    """The package's modules that importing ``path`` runs, at its top or inside functions (not
+    under ``TYPE_CHECKING``), named below the package: ``from ..config import X`` in
+    ``fp8/plugin.py`` -> ``config``; ``from . import recipes`` -> ``fp8.recipes``; ``from
+    fp8_lightning import Checkpoint`` -> ``callbacks.checkpoint``; and each package above a
+    module imported (its ``__init__`` runs first) that ``path`` is not inside of itself."""
+    own = next(m for m, p in MODULES.items() if p == path)
     package = path.relative_to(PACKAGE).parent.parts
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
+    for node in ast.walk(tree):
+        if node in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            found |= {n.removeprefix("fp8_lightning.") if n != "fp8_lightning" else ""
+                      for n in names if n == "fp8_lightning" or n.startswith("fp8_lightning.")}
+            continue
+        if node.level:
             base = ".".join((*package[:len(package) - node.level + 1],
                              *(node.module.split(".") if node.module else ())))
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp8_lightning"):
+        elif node.module == "fp8_lightning" or (node.module or "").startswith("fp8_lightning."):
             base = node.module.removeprefix("fp8_lightning").strip(".")
-        elif isinstance(node, ast.Import):
-            found |= {a.name.removeprefix("fp8_lightning").strip(".") for a in node.names
-                      if a.name.startswith("fp8_lightning")}
-            continue
         else:
             continue
-        found |= {m for m in (base, *(f"{base}.{a.name}".strip(".") for a in node.names))
-                  if m in MODULES}
-    return found - {m for m, p in MODULES.items() if p == path}
+        for alias in node.names:
+            name = f"{base}.{alias.name}".strip(".")
+            found.add(name if name in MODULES else LAZY.get(alias.name, base) if base == "" else base)
+    unknown = found - set(MODULES)
+    assert not unknown, f"{path}: imports no module of the package: {unknown}"
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return (found | {p for p in parents if not own.startswith(p + ".") and p != own}) - {own, ""}
 
 
 def test_the_fp8_core_imports_nothing_above_it():
@@ -226,7 +246,7 @@ def test_the_fp8_core_imports_nothing_above_it():
     so the FP8 core can be read, tested and reused without the model."""
     leaves = {"config", "te_availability", "logs"}
     assert package_imports(ROOT / "fp8_lightning/fp8/plugin.py") >= {"config", "fp8.recipes"}
-    above = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "fp8_lightning/fp8").glob("*.py")
+    above = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "fp8_lightning/fp8").rglob("*.py")
              for m in package_imports(p) if not (m == "fp8" or m.startswith("fp8.") or m in leaves)}
     assert not above, "fp8/ imports modules above it:\n" + "\n".join(sorted(above))
     leaf_imports = {f"{leaf}: {m}" for leaf in leaves
