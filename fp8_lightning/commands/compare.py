@@ -151,11 +151,6 @@ def _read_csv(run: Run) -> Optional[str]:
     return text
 
 
-def _read_folder(log_dir: Path, label: str) -> tuple[Run, Optional[str]]:
-    run = Run(label, log_dir)
-    return run, _read_tensorboard(run) if any(log_dir.glob(EVENTS)) else _read_csv(run)
-
-
 def _first_step(run: Run) -> Optional[int]:
     points = run.series(run.loss_tag)  # (not hp_metric: the logger writes it at step 0 each start)
     return points[0][0] if points else None
@@ -163,19 +158,24 @@ def _first_step(run: Run) -> Optional[int]:
 
 def read_run(run_dir: str, label: Optional[str] = None) -> Run:
     """The newest logged run under ``run_dir``, with the runs it resumed (``--ckpt_path last``
-    logs into a new version folder) before it: each older one up to the step the next began."""
-    folders = find_log_dirs(run_dir)
-    reads = [_read_folder(f, label or run_dir) for f in folders]
-    reads = [r for r in reads if _first_step(r[0]) is not None] or reads[-1:]  # not empty ones
-    run, text = reads[-1]
-    chained = 1
-    for prev, _ in reversed(reads[:-1]):
-        first = _first_step(run)  # every read left has a loss series, or there is one read
-        if _first_step(prev) >= first:
+    logs into a new version folder) before it: each older one, read only while the chain goes
+    on, up to the step the next began."""
+    folders, run, text, newest, chained = find_log_dirs(run_dir), None, None, None, 0
+    for folder in reversed(folders):
+        prev = Run(label or run_dir, folder)
+        prev_text = _read_tensorboard(prev) if any(folder.glob(EVENTS)) else _read_csv(prev)
+        newest, start = newest or (prev, prev_text), _first_step(prev)
+        if start is None:
+            continue  # an empty version (a resume of a finished run)
+        if run is None:
+            run, text = prev, prev_text
+        elif start >= (first := _first_step(run)):
             break  # the newer run started afresh, not from this one
-        for tag, series in prev.scalars.items():
-            run.scalars[tag] = [p for p in series if p[0] < first] + run.series(tag)
+        else:
+            for tag, series in prev.scalars.items():
+                run.scalars[tag] = [p for p in series if p[0] < first] + run.series(tag)
         chained += 1
+    run, text = (run, text) if run is not None else newest  # none logged a loss: the newest
     if chained > 1:
         run.note = f"{run_dir}: {chained} logged runs, each resumed from the one before: read as one"
     elif len(folders) > 1:
